@@ -1,0 +1,35 @@
+# pdserve: set-up, run and test on a fresh machine. `make run` and `make test` do all set-up themselves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TINY := build/tiny-llama
+PROMPT ?= The class statement
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup run test bench clean
+
+# torch is pinned to the CPU build that lies on these machines' disk; see README for CUDA machines.
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+$(TINY)/config.json: $(BIN)/.installed
+	$(BIN)/pdserve model build-tiny --arch llama --out $(TINY)
+
+run: $(TINY)/config.json
+	$(BIN)/pdserve run --model $(TINY) --prompt "$(PROMPT)" --max-tokens 32
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+bench: $(BIN)/.installed
+	$(BIN)/python benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) build

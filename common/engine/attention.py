@@ -1,0 +1,140 @@
+"""Paged attention over a packed batch, plugged into unmodified ``transformers`` models.
+
+The model runs with ``input_ids`` of shape ``[1, T]`` (the new tokens of every scheduled sequence, packed
+without padding), ``position_ids`` restarting per sequence, ``use_cache=False`` and an
+:class:`AttentionMetadata` passed as the model kwarg ``pdserve_attn``; transformers forwards unknown kwargs
+to the registered attention function unchanged. For every layer that function
+
+1. writes the step's new K/V into the paged cache at ``slot_mapping``, then
+2. for each :class:`AttentionGroup`, gathers the group's K/V by block table and runs one padded, masked
+   ``scaled_dot_product_attention`` for all its sequences at once (no Python loop over sequences).
+
+Sequences are grouped by shape: the *decode group* holds the sequences with one new token (packed first,
+in order, so its output needs no scatter); the *prefill group* the rest (prompt chunks, recomputes),
+padded to the longest chunk. Grouped-query heads are handled without repeating K/V: the query heads that
+share a KV head are folded into the query-length axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from common.engine.kv_cache import PagedKVCache
+
+ATTENTION_NAME = "pdserve_paged"
+METADATA_KWARG = "pdserve_attn"
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended in one SDPA call.
+
+    ``token_index`` is ``None`` for the decode group: its queries are the packed tokens
+    ``[token_start, token_start + B)``, one per sequence. Otherwise ``token_index`` [B, Q] maps each
+    (sequence, query) to its packed token (padding → 0) and ``valid`` [B, Q] marks the real queries.
+    """
+
+    block_table: torch.Tensor  # [B, nb] int64 block ids (padding repeats a valid id; masked out)
+    query_pos: torch.Tensor  # [B, Q] int64 absolute position of each query (padding → 0)
+    token_start: int = 0
+    token_index: torch.Tensor | None = None  # [B, Q] int64
+    valid: torch.Tensor | None = None  # [B, Q] bool
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask(self, num_keys: int, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, Q, K] bool: key k is visible to a query at position p iff k <= p (and p - k < window).
+
+        Keys past a sequence's length are hidden by the same rule, since p < length for every real query;
+        a padded query (p = 0) sees key 0 only, so no row is fully masked. Built once per step and window.
+        """
+        cached = self._masks.get(sliding_window)
+        if cached is None:
+            k = torch.arange(num_keys, device=self.query_pos.device)
+            pos = self.query_pos.unsqueeze(-1)  # [B, Q, 1]
+            visible = k <= pos
+            if sliding_window is not None:
+                visible &= k > pos - sliding_window
+            cached = self._masks[sliding_window] = visible.unsqueeze(1)
+        return cached
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs of the attention function, shared by all layers."""
+
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [T] int64 cache slot of each packed token
+    groups: list[AttentionGroup]
+
+
+def _group_attention(
+    group: AttentionGroup,
+    q_tok: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [B, K, Hkv, D]
+    v: torch.Tensor,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Attention output of the group's queries: [B, Q, Hq, D]."""
+    b, num_keys, h_kv, d = k.shape
+    h_q = q_tok.shape[1]
+    g = h_q // h_kv
+    if group.token_index is None:
+        q = q_tok[group.token_start : group.token_start + b].view(b, 1, h_kv, g, d)
+    else:
+        q = q_tok[group.token_index.reshape(-1)].view(b, -1, h_kv, g, d)
+    num_q = q.shape[1]
+    # fold the g query heads of each KV head into the query axis: [B, Hkv, Q*g, D]
+    q = q.permute(0, 2, 1, 3, 4).reshape(b, h_kv, num_q * g, d)
+    mask = group.mask(num_keys, sliding_window)  # [B, 1, Q, K]
+    if num_q > 1 and g > 1:
+        mask = mask.unsqueeze(3).expand(b, 1, num_q, g, num_keys).reshape(b, 1, num_q * g, num_keys)
+    out = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scaling
+    )  # [B, Hkv, Q*g, D]
+    return out.view(b, h_kv, num_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, num_q, h_q, d)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, T, D], RoPE applied
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as ``pdserve_paged``; returns ([1, T, Hq, D], None)."""
+    meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    if meta is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs the {METADATA_KWARG!r} model kwarg")
+    layer = module.layer_idx
+    q_tok = query[0].transpose(0, 1)  # [T, Hq, D]
+    meta.kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    num_tokens, h_q, d = q_tok.shape
+    if len(meta.groups) == 1 and meta.groups[0].token_index is None:  # decode only: no scatter
+        group = meta.groups[0]
+        k, v = meta.kv_cache.gather(layer, group.block_table)
+        out = _group_attention(group, q_tok, k.to(query.dtype), v.to(query.dtype), scaling, sliding_window)
+        return out.view(1, num_tokens, h_q, d), None
+    out = torch.empty(num_tokens, h_q, d, dtype=query.dtype, device=query.device)
+    for group in meta.groups:  # at most two: decode, prefill
+        k, v = meta.kv_cache.gather(layer, group.block_table)
+        o = _group_attention(group, q_tok, k.to(query.dtype), v.to(query.dtype), scaling, sliding_window)
+        if group.token_index is None:
+            out[group.token_start : group.token_start + o.shape[0]] = o[:, 0]
+        else:
+            out[group.token_index[group.valid]] = o[group.valid]
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Register the attention function with transformers (idempotent); returns its name."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    return ATTENTION_NAME

@@ -1,0 +1,73 @@
+"""Engine configuration: one dataclass, validated on construction, with memory-budget resolution."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30  # like vLLM's CPU backend default of 4 GiB
+DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
+
+
+@dataclass
+class EngineConfig:
+    """How one engine runs a model.
+
+    ``kv_cache_memory``: bytes of KV cache when > 1, a fraction of the device's free memory when in (0, 1],
+    or ``None`` for the default (CPU: min(4 GiB, 25% of available RAM); CUDA: 80% of free memory after the
+    weights). ``num_kv_blocks`` overrides the budget with an exact block count (tests, benchmarks). The pool
+    is never made larger than ``max_num_seqs * max_model_len`` tokens need.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: float | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's context length
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    prefill_chunk_size: int | None = None  # most new tokens of one sequence in one step; default: the budget
+    seed: int = 0  # seed of the sampler's generator for requests without their own seed
+    num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's choice
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_kv_blocks", "max_model_len", "prefill_chunk_size", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be > 0 (bytes, or a fraction <= 1), got {self.kv_cache_memory!r}")
+
+    @property
+    def chunk_size(self) -> int:
+        return min(self.prefill_chunk_size or self.max_num_batched_tokens, self.max_num_batched_tokens)
+
+    def kv_cache_bytes(self, device: torch.device) -> int:
+        """The KV budget in bytes on ``device`` (see the class docstring)."""
+        free = _free_memory_bytes(device)
+        if self.kv_cache_memory is None:
+            if device.type == "cuda":
+                return int(free * DEFAULT_CUDA_KV_CACHE_FRACTION)
+            return min(DEFAULT_CPU_KV_CACHE_BYTES, free // 4)
+        if self.kv_cache_memory <= 1:
+            return int(free * self.kv_cache_memory)
+        return int(self.kv_cache_memory)
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,389 @@
+"""The engine: continuous batching of requests over one model and one paged KV cache.
+
+In-process API (the services wrap it):
+
+- :meth:`LLMEngine.add_request` queues a prompt; :meth:`LLMEngine.step` runs one scheduled forward pass
+  and returns what each request produced; :meth:`LLMEngine.abort` stops a request and frees its blocks;
+  :meth:`LLMEngine.generate` runs prompts to completion (blocking).
+- The disaggregated hand-off: a request added with ``prefill_only=True`` stops after its first token and
+  holds its blocks; :meth:`LLMEngine.export_kv` returns its KV and frees them; another engine's
+  :meth:`LLMEngine.import_kv` writes the KV into its own blocks and continues decoding.
+
+Each step reads: schedule → prepare the packed batch → forward → sample → stop checks → report.
+The engine is not thread-safe: one caller drives it (a service runs it in one thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.engine import attention
+from common.engine.block_pool import BlockPool, NoFreeBlocksError
+from common.engine.config import EngineConfig
+from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.kv_cache import KVCacheSpec, PagedKVCache
+from common.engine.kv_handoff import KVHandoff
+from common.engine.model_runner import ModelRunner
+from common.engine.request import (
+    CompletionResult,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+)
+from common.engine.sampler import Sampler, TokenLogprobs
+from common.engine.sampling_params import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.engine.stop_strings import StopStringMatcher
+
+if TYPE_CHECKING:
+    from common.engine.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.device = torch.device(loaded.device)
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        model_cfg = loaded.config.get_text_config()
+        self.vocab_size = int(model_cfg.vocab_size)
+        self.max_model_len = self._resolve_max_model_len(loaded.max_model_len, config.max_model_len)
+        self.kv_spec = KVCacheSpec(
+            num_layers=int(model_cfg.num_hidden_layers),
+            num_kv_heads=int(getattr(model_cfg, "num_key_value_heads", None) or model_cfg.num_attention_heads),
+            head_dim=int(
+                getattr(model_cfg, "head_dim", None) or model_cfg.hidden_size // model_cfg.num_attention_heads
+            ),
+            block_size=config.block_size,
+            dtype=loaded.dtype,
+        )
+        num_blocks = self._resolve_num_blocks()
+        loaded.model.set_attn_implementation(attention.register())
+        self.block_pool = BlockPool(num_blocks)
+        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device)
+        self.scheduler = Scheduler(
+            self.block_pool,
+            config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            prefill_chunk_size=config.chunk_size,
+            watermark_blocks=max(1, num_blocks // 100),
+        )
+        self.sampler = Sampler(seed=config.seed)
+        self._requests: dict[str, Request] = {}  # every request not yet finished and reported
+        self._arrivals = itertools.count()
+        log.info(
+            "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+            loaded.model_dir, num_blocks, config.block_size,
+            num_blocks * self.kv_spec.bytes_per_block / 2**20, self.max_model_len,
+        )
+
+    # -- configuration ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_max_model_len(model_len: int, asked: int | None) -> int:
+        if asked is None:
+            return model_len
+        if asked > model_len:
+            raise ValueError(f"max_model_len {asked} exceeds the model's context of {model_len} tokens")
+        return asked
+
+    def _resolve_num_blocks(self) -> int:
+        bs = self.config.block_size
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        else:
+            num_blocks = self.config.kv_cache_bytes(self.device) // self.kv_spec.bytes_per_block
+            needed = -(-self.config.max_num_seqs * self.max_model_len // bs)
+            num_blocks = min(num_blocks, needed)
+        if num_blocks * bs < self.max_model_len:
+            raise ValueError(
+                f"a KV cache of {num_blocks} blocks ({num_blocks * bs} tokens) cannot hold one request of "
+                f"max_model_len {self.max_model_len} tokens: raise the KV cache memory or lower max_model_len"
+            )
+        return num_blocks
+
+    # -- requests -----------------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` exactly as stock transformers' tokenizer for this model gives them."""
+        return list(self.tokenizer(text)["input_ids"])
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+    ) -> str:
+        """Queue a prompt (text or token ids); returns the request id. Raises ValueError on bad input."""
+        sampling = sampling or SamplingParams()
+        sampling.validate(self.vocab_size)
+        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._check_prompt(prompt_ids)
+        request = self._new_request(request_id, prompt_ids, sampling, prefill_only=prefill_only)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the model's context of {self.max_model_len} tokens "
+                "leaves no room to generate"
+            )
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _new_request(
+        self,
+        request_id: str | None,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        output_ids: Sequence[int] = (),
+    ) -> Request:
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_ids),
+            sampling=sampling,
+            eos_token_ids=frozenset(self.loaded.eos_token_ids),
+            max_model_len=self.max_model_len,
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            stop_matcher=StopStringMatcher(sampling.stop),
+            generator=generator,
+            prefill_only=prefill_only,
+            arrival_order=next(self._arrivals),
+            output_token_ids=list(output_ids),
+        )
+        self._requests[request_id] = request
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks at once; False if it is unknown or already finished."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.PREFILLED:
+            self.block_pool.free(request.block_ids)
+            request.block_ids = []
+        else:
+            self.scheduler.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.ABORT
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_requests_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_requests_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # -- the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward pass; returns an output for every request that produced something."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        batch = self.runner.prepare(sched.scheduled)
+        logits = self.runner.run(batch)  # [S, V]
+        touched = [r for r, _ in sched.scheduled]
+        for request, n in sched.scheduled:
+            request.num_computed_tokens += n
+        if batch.sampling_requests:
+            reqs = batch.sampling_requests
+            sampled = self.sampler(
+                logits,
+                [r.sampling for r in reqs],
+                [r.generator for r in reqs],
+                [r.prompt_token_ids for r in reqs],
+                [r.output_token_ids for r in reqs],
+            )
+            logprobs = sampled.logprobs or [None] * len(reqs)
+            for request, token, lp in zip(reqs, sampled.token_ids.tolist(), logprobs):
+                self._append_token(request, token, lp)
+        return [out for r in touched if (out := self._report(r)) is not None]
+
+    def _append_token(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
+        request.output_token_ids.append(token)
+        request.all_token_ids.append(token)
+        request.pending_token_ids.append(token)
+        request.pending_logprobs.append(logprobs)
+        sp = request.sampling
+        if (not sp.ignore_eos and token in request.eos_token_ids) or token in sp.stop_token_ids:
+            self._finish(request, FinishReason.STOP)  # the stop token itself is never detokenized
+            return
+        if self._emit_text(request, request.detokenizer.add(token)):
+            self._finish(request, FinishReason.STOP, stopped_on_string=True)
+        elif len(request.output_token_ids) >= sp.max_new_tokens or request.num_tokens >= request.max_model_len:
+            self._finish(request, FinishReason.LENGTH)
+        elif request.prefill_only:
+            self.scheduler.remove(request, free_blocks=False)
+            request.status = RequestStatus.PREFILLED
+
+    def _emit_text(self, request: Request, delta: str) -> bool:
+        """Pass detokenized text through the stop-string matcher; True if a stop string ended it."""
+        if not delta:
+            return False
+        safe, stopped = request.stop_matcher.feed(delta)
+        request.pending_text += safe
+        return stopped
+
+    def _finish(self, request: Request, reason: FinishReason, *, stopped_on_string: bool = False) -> None:
+        if not stopped_on_string:
+            if self._emit_text(request, request.detokenizer.flush()):
+                reason = FinishReason.STOP
+            else:
+                request.pending_text += request.stop_matcher.flush()
+        self.scheduler.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def _report(self, request: Request) -> RequestOutput | None:
+        if not (request.pending_token_ids or request.pending_text or request.is_finished):
+            return None
+        wants_logprobs = request.sampling.logprobs is not None
+        out = RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=request.pending_token_ids,
+            new_text=request.pending_text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            new_logprobs=request.pending_logprobs if wants_logprobs else None,
+            prefilled=request.status is RequestStatus.PREFILLED,
+        )
+        request.pending_token_ids, request.pending_text, request.pending_logprobs = [], "", []
+        if request.is_finished:
+            self._requests.pop(request.request_id, None)
+        return out
+
+    # -- blocking generation ------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[CompletionResult]:
+        """Run every prompt to completion in one continuous batch; results in input order."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        requests = {rid: self._requests[rid] for rid in ids}
+        acc = {rid: CompletionResult(rid, list(r.prompt_token_ids), [], "", FinishReason.LENGTH) for rid, r in requests.items()}
+        with_logprobs = {rid for rid, sp in zip(ids, params) if sp.logprobs is not None}
+        remaining = set(ids)
+        while remaining:
+            if not self.scheduler.has_work():
+                raise RuntimeError(f"engine idle with {len(remaining)} unfinished requests")
+            for out in self.step():
+                result = acc.get(out.request_id)
+                if result is None:
+                    continue
+                result.token_ids += out.new_token_ids
+                result.text += out.new_text
+                if out.request_id in with_logprobs:
+                    result.logprobs = (result.logprobs or []) + (out.new_logprobs or [])
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+                    result.num_preemptions = requests[out.request_id].num_preemptions
+                    remaining.discard(out.request_id)
+        return [acc[rid] for rid in ids]
+
+    # -- the disaggregated hand-off -----------------------------------------------------------------------
+
+    def export_kv(self, request_id: str) -> KVHandoff:
+        """The KV of a prefilled request (see ``prefill_only``); frees its blocks here. Called once."""
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.PREFILLED:
+            state = "unknown" if request is None else request.status.value
+            raise ValueError(f"request {request_id!r} has no exportable KV (state: {state})")
+        num_blocks = -(-request.num_computed_tokens // self.kv_spec.block_size)
+        blocks = request.block_ids[:num_blocks]
+        layers = [self.kv_cache.read_blocks(layer, blocks) for layer in range(self.kv_spec.num_layers)]
+        handoff = KVHandoff(
+            request_id=request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            num_kv_tokens=request.num_computed_tokens,
+            spec=self.kv_spec,
+            layers=layers,
+            model_fingerprint=self.loaded.fingerprint,
+            generator_state=None if request.generator is None else request.generator.get_state(),
+        )
+        self.block_pool.free(request.block_ids)
+        request.block_ids = []
+        request.status = RequestStatus.FINISHED
+        del self._requests[request_id]
+        return handoff
+
+    def import_kv(
+        self, handoff: KVHandoff, sampling: SamplingParams, *, request_id: str | None = None
+    ) -> str:
+        """Continue a request prefilled elsewhere: its KV goes into blocks of this engine's pool.
+
+        ``sampling`` must be the request's original parameters (``max_new_tokens`` counts the tokens the
+        sender already sampled). Raises ValueError if the KV does not fit this engine's model or layout,
+        NoFreeBlocksError if the pool cannot hold it now. The first output reports the imported tokens too.
+        """
+        handoff.check_compatible(self.kv_spec, self.loaded.fingerprint)
+        sampling.validate(self.vocab_size)
+        self._check_prompt(handoff.prompt_token_ids)
+        block_ids = self.block_pool.allocate(handoff.num_blocks)
+        try:
+            for layer, (k, v) in enumerate(handoff.layers):
+                self.kv_cache.write_blocks(layer, block_ids, k, v)
+            request = self._new_request(
+                request_id or handoff.request_id,
+                handoff.prompt_token_ids,
+                sampling,
+                output_ids=handoff.output_token_ids,
+            )
+        except Exception:
+            self.block_pool.free(block_ids)
+            raise
+        request.block_ids = block_ids
+        request.num_computed_tokens = handoff.num_kv_tokens
+        if request.generator is not None and handoff.generator_state is not None:
+            request.generator.set_state(handoff.generator_state)
+        request.pending_token_ids = list(handoff.output_token_ids)
+        request.pending_logprobs = [None] * len(handoff.output_token_ids)
+        for token in handoff.output_token_ids:
+            if self._emit_text(request, request.detokenizer.add(token)):
+                break
+        self.scheduler.add(request)
+        return request.request_id
+
+
+__all__ = ["LLMEngine", "NoFreeBlocksError"]

@@ -1,0 +1,126 @@
+"""Turns a scheduled step into one packed forward pass of the model and returns last-token logits.
+
+Packed layout of a step (T tokens): first the sequences with exactly one new token (the decode group, in
+scheduling order), then the others (the prefill group). Metadata is built as tensors once per step and
+shared by every layer (see :mod:`common.engine.attention`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.attention import METADATA_KWARG, AttentionGroup, AttentionMetadata
+from common.engine.kv_cache import PagedKVCache
+from common.engine.request import Request
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [1, T] int64
+    position_ids: torch.Tensor  # [1, T] int64
+    attn: AttentionMetadata
+    logits_index: torch.Tensor  # [S] int64: packed index of the last token of each sampling request
+    sampling_requests: list[Request]  # the S requests that get a new token this step, in logits order
+
+
+class ModelRunner:
+    """Owns the model and the KV cache on the device; one :meth:`run` per engine step."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.spec.block_size
+        self.device = device
+
+    def prepare(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
+        decode = [(r, n) for r, n in scheduled if n == 1]
+        prefill = [(r, n) for r, n in scheduled if n != 1]
+        ordered = decode + prefill
+        ids: list[int] = []
+        starts: list[int] = []  # first new position of each sequence
+        lengths: list[int] = []  # new tokens of each sequence
+        for r, n in ordered:
+            s = r.num_computed_tokens
+            ids.extend(r.all_token_ids[s : s + n])
+            starts.append(s)
+            lengths.append(n)
+        num_seqs = len(ordered)
+        bs = self.block_size
+        max_blocks = max(len(r.block_ids) for r, _ in ordered)
+        table = torch.tensor(
+            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in ordered], dtype=torch.long
+        )  # [N, nb]
+        start_t = torch.tensor(starts, dtype=torch.long)
+        len_t = torch.tensor(lengths, dtype=torch.long)
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), len_t)  # [T]
+        offsets = torch.cumsum(len_t, 0) - len_t  # packed index of each sequence's first new token
+        positions = start_t[seq_of_token] + (torch.arange(len(ids)) - offsets[seq_of_token])  # [T]
+        slot_mapping = table[seq_of_token, positions // bs] * bs + positions % bs
+
+        groups: list[AttentionGroup] = []
+        num_decode = len(decode)
+        if num_decode:
+            nb = (int(start_t[:num_decode].max()) // bs) + 1
+            groups.append(
+                AttentionGroup(block_table=table[:num_decode, :nb], query_pos=start_t[:num_decode, None])
+            )
+        if prefill:
+            p_len = len_t[num_decode:]
+            p_start = start_t[num_decode:]
+            q = torch.arange(int(p_len.max()))
+            valid = q < p_len[:, None]  # [Bp, Q]
+            token_index = torch.where(valid, offsets[num_decode:, None] + q, 0)
+            query_pos = torch.where(valid, p_start[:, None] + q, 0)
+            nb = -(-int((p_start + p_len).max()) // bs)
+            groups.append(
+                AttentionGroup(
+                    block_table=table[num_decode:, :nb],
+                    query_pos=query_pos,
+                    token_index=token_index,
+                    valid=valid,
+                )
+            )
+
+        sampling = [i for i, (r, n) in enumerate(ordered) if r.num_computed_tokens + n == r.num_tokens]
+        logits_index = (offsets + len_t - 1)[sampling]
+        dev = self.device
+        return StepBatch(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+            position_ids=positions.unsqueeze(0).to(dev),
+            attn=AttentionMetadata(
+                kv_cache=self.kv_cache,
+                slot_mapping=slot_mapping.to(dev),
+                groups=[_to_device(g, dev) for g in groups],
+            ),
+            logits_index=logits_index.to(dev),
+            sampling_requests=[ordered[i][0] for i in sampling],
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Forward the packed batch; returns float32 logits [S, V] of the sampling requests (S may be 0)."""
+        keep = batch.logits_index if len(batch.logits_index) else 1
+        out = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            logits_to_keep=keep,
+            **{METADATA_KWARG: batch.attn},
+        )
+        if not len(batch.logits_index):
+            return out.logits.new_empty((0, out.logits.shape[-1]), dtype=torch.float32)
+        return out.logits[0].float()
+
+
+def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
+    if device.type == "cpu":
+        return group
+    return AttentionGroup(
+        block_table=group.block_table.to(device),
+        query_pos=group.query_pos.to(device),
+        token_start=group.token_start,
+        token_index=None if group.token_index is None else group.token_index.to(device),
+        valid=None if group.valid is None else group.valid.to(device),
+    )

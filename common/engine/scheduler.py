@@ -1,0 +1,136 @@
+"""Continuous batching: which requests run in the next step, and how many of their tokens.
+
+Each step (:meth:`Scheduler.schedule`):
+
+1. Running requests, oldest first, each get their next chunk (1 token when decoding; a prompt or
+   recompute chunk of at most ``prefill_chunk_size`` tokens), while the step's token budget lasts. A request
+   whose chunk needs KV blocks that are not free preempts the newest running requests (their blocks are
+   freed and they go back to the front of the waiting queue, to be recomputed), or itself when it is the
+   newest.
+2. If nothing was preempted, waiting requests are admitted in order while the budget, ``max_num_seqs`` and
+   free blocks (above a small watermark, unless nothing runs) allow.
+
+The oldest running request is never preempted by a newer one, so the engine always makes progress as long
+as one request of ``max_model_len`` tokens fits the pool (checked when the engine is built).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.engine.block_pool import BlockPool
+from common.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_chunk_size: int,
+        watermark_blocks: int = 0,
+    ) -> None:
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk_size = prefill_chunk_size
+        self.watermark_blocks = watermark_blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # -- queue membership -------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def remove(self, request: Request, *, free_blocks: bool = True) -> None:
+        """Take a request out of the queues; its blocks are freed unless ``free_blocks`` is False."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if free_blocks:
+            self._free_blocks(request)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- the step -----------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_uncomputed_tokens, self.prefill_chunk_size, budget)
+            need = self._blocks_needed(request, n)
+            while need > self.block_pool.num_free_blocks:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:  # preempted itself
+                break
+            request.block_ids += self.block_pool.allocate(need)
+            out.scheduled.append((request, n))
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.num_uncomputed_tokens, self.prefill_chunk_size, budget)
+            need = self._blocks_needed(request, n)
+            reserve = self.watermark_blocks if self.running else 0
+            if need + reserve > self.block_pool.num_free_blocks:
+                break
+            self.waiting.popleft()
+            request.block_ids += self.block_pool.allocate(need)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, n))
+            budget -= n
+        return out
+
+    # -- helpers ------------------------------------------------------------------------------------------
+
+    def _blocks_needed(self, request: Request, num_new: int) -> int:
+        num_tokens = request.num_computed_tokens + num_new
+        return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))
+
+    def _preempt(self, request: Request) -> None:
+        self._free_blocks(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        if request.block_ids:
+            self.block_pool.free(request.block_ids)
+            request.block_ids = []

@@ -1,0 +1,47 @@
+"""The ``pdserve`` command: one argparse tree, one module per subcommand.
+
+Each module in ``pdserve.commands`` exposes ``add_parser(subparsers)``, which registers its subcommand and
+sets ``func`` on the parser's defaults to a callable ``func(args) -> int`` (the exit status). Subcommand
+modules import heavy dependencies (torch, transformers) inside ``func`` only, so ``pdserve --help`` and
+client-side commands start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdserve import __version__
+from pdserve.commands import model as model_cmd
+from pdserve.commands import run as run_cmd
+
+_COMMANDS = (model_cmd, run_cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="logging level for stderr (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in _COMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as exc:  # user errors: one clear line, no traceback
+        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
