@@ -265,6 +265,8 @@ class LLMEngine:
                 reason = FinishReason.STOP
             else:
                 request.pending_text += request.stop_matcher.flush()
+                if request.stop_matcher.stopped:  # the held-back tail completed a stop string
+                    reason = FinishReason.STOP
         self.scheduler.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
