@@ -38,7 +38,7 @@ class AttentionGroup:
     (sequence, query) to its packed token (padding → 0) and ``valid`` [B, Q] marks the real queries.
     """
 
-    block_table: torch.Tensor  # [B, nb] int64 block ids (padding repeats a valid id; masked out)
+    gather_index: torch.Tensor  # what PagedKVCache.gather reads: the group's block table [B, nb], flattened
     query_pos: torch.Tensor  # [B, Q] int64 absolute position of each query (padding → 0)
     token_start: int = 0
     token_index: torch.Tensor | None = None  # [B, Q] int64
@@ -67,20 +67,23 @@ class AttentionMetadata:
     """Per-step inputs of the attention function, shared by all layers."""
 
     kv_cache: PagedKVCache
-    slot_mapping: torch.Tensor  # [T] int64 cache slot of each packed token
+    write_index: torch.Tensor  # where PagedKVCache.write puts the K/V of the T packed tokens
     groups: list[AttentionGroup]
+
+    def gather(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_cache.gather(layer, group.gather_index, group.query_pos.shape[0])
 
 
 def _group_attention(
     group: AttentionGroup,
     q_tok: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [B, K, Hkv, D]
+    k: torch.Tensor,  # [B, Hkv, K, D]
     v: torch.Tensor,
     scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Attention output of the group's queries: [B, Q, Hq, D]."""
-    b, num_keys, h_kv, d = k.shape
+    b, h_kv, num_keys, d = k.shape
     h_q = q_tok.shape[1]
     g = h_q // h_kv
     if group.token_index is None:
@@ -93,9 +96,7 @@ def _group_attention(
     mask = group.mask(num_keys, sliding_window)  # [B, 1, Q, K]
     if num_q > 1 and g > 1:
         mask = mask.unsqueeze(3).expand(b, 1, num_q, g, num_keys).reshape(b, 1, num_q * g, num_keys)
-    out = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scaling
-    )  # [B, Hkv, Q*g, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # [B, Hkv, Q*g, D]
     return out.view(b, h_kv, num_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, num_q, h_q, d)
 
 
@@ -116,16 +117,16 @@ def paged_attention(
         raise RuntimeError(f"{ATTENTION_NAME} attention needs the {METADATA_KWARG!r} model kwarg")
     layer = module.layer_idx
     q_tok = query[0].transpose(0, 1)  # [T, Hq, D]
-    meta.kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    meta.kv_cache.write(layer, meta.write_index, key[0], value[0])
     num_tokens, h_q, d = q_tok.shape
     if len(meta.groups) == 1 and meta.groups[0].token_index is None:  # decode only: no scatter
         group = meta.groups[0]
-        k, v = meta.kv_cache.gather(layer, group.block_table)
+        k, v = meta.gather(layer, group)
         out = _group_attention(group, q_tok, k.to(query.dtype), v.to(query.dtype), scaling, sliding_window)
         return out.view(1, num_tokens, h_q, d), None
     out = torch.empty(num_tokens, h_q, d, dtype=query.dtype, device=query.device)
     for group in meta.groups:  # at most two: decode, prefill
-        k, v = meta.kv_cache.gather(layer, group.block_table)
+        k, v = meta.gather(layer, group)
         o = _group_attention(group, q_tok, k.to(query.dtype), v.to(query.dtype), scaling, sliding_window)
         if group.token_index is None:
             out[group.token_start : group.token_start + o.shape[0]] = o[:, 0]

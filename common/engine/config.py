@@ -30,6 +30,7 @@ class EngineConfig:
     prefill_chunk_size: int | None = None  # most new tokens of one sequence in one step; default: the budget
     seed: int = 0  # seed of the sampler's generator for requests without their own seed
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's choice
+    cpu_packed_linear: bool = True  # oneDNN matmuls over pre-packed weights on the CPU (see cpu_linear)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -26,6 +26,7 @@ import torch
 from common.engine import attention
 from common.engine.block_pool import BlockPool, NoFreeBlocksError
 from common.engine.config import EngineConfig
+from common.engine.cpu_linear import pack_linear_layers, packing_supported
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.kv_cache import KVCacheSpec, PagedKVCache
 from common.engine.kv_handoff import KVHandoff
@@ -72,6 +73,8 @@ class LLMEngine:
         )
         num_blocks = self._resolve_num_blocks()
         loaded.model.set_attn_implementation(attention.register())
+        if config.cpu_packed_linear and packing_supported(loaded.dtype, self.device):
+            pack_linear_layers(loaded.model)
         self.block_pool = BlockPool(num_blocks)
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device)

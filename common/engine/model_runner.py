@@ -58,13 +58,18 @@ class ModelRunner:
         offsets = torch.cumsum(len_t, 0) - len_t  # packed index of each sequence's first new token
         positions = start_t[seq_of_token] + (torch.arange(len(ids)) - offsets[seq_of_token])  # [T]
         slot_mapping = table[seq_of_token, positions // bs] * bs + positions % bs
+        dev = self.device
+        table = table.to(dev)
 
         groups: list[AttentionGroup] = []
         num_decode = len(decode)
         if num_decode:
             nb = (int(start_t[:num_decode].max()) // bs) + 1
             groups.append(
-                AttentionGroup(block_table=table[:num_decode, :nb], query_pos=start_t[:num_decode, None])
+                AttentionGroup(
+                    gather_index=self.kv_cache.gather_index(table[:num_decode, :nb]),
+                    query_pos=start_t[:num_decode, None],
+                )
             )
         if prefill:
             p_len = len_t[num_decode:]
@@ -76,7 +81,7 @@ class ModelRunner:
             nb = -(-int((p_start + p_len).max()) // bs)
             groups.append(
                 AttentionGroup(
-                    block_table=table[num_decode:, :nb],
+                    gather_index=self.kv_cache.gather_index(table[num_decode:, :nb]),
                     query_pos=query_pos,
                     token_index=token_index,
                     valid=valid,
@@ -85,13 +90,12 @@ class ModelRunner:
 
         sampling = [i for i, (r, n) in enumerate(ordered) if r.num_computed_tokens + n == r.num_tokens]
         logits_index = (offsets + len_t - 1)[sampling]
-        dev = self.device
         return StepBatch(
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=positions.unsqueeze(0).to(dev),
             attn=AttentionMetadata(
                 kv_cache=self.kv_cache,
-                slot_mapping=slot_mapping.to(dev),
+                write_index=self.kv_cache.write_index(slot_mapping.to(dev)),
                 groups=[_to_device(g, dev) for g in groups],
             ),
             logits_index=logits_index.to(dev),
@@ -118,7 +122,7 @@ def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
     if device.type == "cpu":
         return group
     return AttentionGroup(
-        block_table=group.block_table.to(device),
+        gather_index=group.gather_index,
         query_pos=group.query_pos.to(device),
         token_start=group.token_start,
         token_index=None if group.token_index is None else group.token_index.to(device),
