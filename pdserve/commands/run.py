@@ -76,9 +76,12 @@ def sampling_from_args(args: argparse.Namespace, generation_config, max_tokens: 
     from common.engine.sampling_params import SamplingParams
 
     gc_max = getattr(generation_config, "max_new_tokens", None) if generation_config is not None else None
+    max_new_tokens = next(
+        (n for n in (max_tokens, args.max_tokens, gc_max) if n is not None), DEFAULT_MAX_TOKENS
+    )
     return SamplingParams.from_generation_config(
         generation_config,
-        max_new_tokens=max_tokens or args.max_tokens or gc_max or DEFAULT_MAX_TOKENS,
+        max_new_tokens=max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -95,6 +98,8 @@ def sampling_from_args(args: argparse.Namespace, generation_config, max_tokens: 
 
 def run(args: argparse.Namespace) -> int:
     items = read_prompts(args)
+    for item in items:  # fail on bad sampling values before the model loads
+        sampling_from_args(args, None, item.get("max_tokens")).validate()
     engine = engine_from_args(args)
     gc = engine.loaded.generation_config
     prompts = [it["prompt"] if "prompt" in it else it["prompt_ids"] for it in items]
