@@ -310,9 +310,13 @@ class LLMEngine:
         with_logprobs = {rid for rid, sp in zip(ids, params) if sp.logprobs is not None}
         remaining = set(ids)
         while remaining:
-            if not self.scheduler.has_work():
-                raise RuntimeError(f"engine idle with {len(remaining)} unfinished requests")
-            for out in self.step():
+            outputs = self.step()
+            if not outputs and not self.scheduler.num_running:
+                raise RuntimeError(
+                    f"{len(remaining)} requests cannot be scheduled: {self.block_pool.num_used_blocks} KV blocks "
+                    "are held by prefilled requests awaiting export_kv"
+                )
+            for out in outputs:
                 result = acc.get(out.request_id)
                 if result is None:
                     continue

@@ -202,3 +202,12 @@ def test_duplicate_request_id_is_refused(engine):
     engine.add_request([1, 2], request_id="a")
     with pytest.raises(ValueError, match="'a'"):
         engine.add_request([3, 4], request_id="a")
+
+
+def test_generate_fails_clearly_when_prefilled_requests_hold_the_pool(loaded):
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=130))
+    engine.add_request(list(range(4, 2000)), SamplingParams(max_new_tokens=5, **GREEDY), prefill_only=True)
+    while not engine.step():
+        pass
+    with pytest.raises(RuntimeError, match="awaiting export_kv"):
+        engine.generate([list(range(4, 200))], SamplingParams(max_new_tokens=5, **GREEDY))
