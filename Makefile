@@ -26,6 +26,7 @@ run: $(TINY)/config.json
 	$(BIN)/pdserve run --model $(TINY) --prompt "$(PROMPT)" --max-tokens 32
 
 test: $(BIN)/.installed
+	$(BIN)/ruff check common pdserve tests benchmarks
 	$(BIN)/python -m pytest -q
 
 bench: $(BIN)/.installed

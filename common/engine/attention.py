@@ -17,6 +17,7 @@ share a KV head are folded into the query-length axis.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,7 @@ class AttentionMetadata:
     kv_cache: PagedKVCache
     write_index: torch.Tensor  # where PagedKVCache.write puts the K/V of the T packed tokens
     groups: list[AttentionGroup]
+    on_layer_written: Callable[[int], None] | None = None  # called with the layer index after its K/V write
 
     def gather(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv_cache.gather(layer, group.gather_index, group.query_pos.shape[0])
@@ -118,6 +120,8 @@ def paged_attention(
     layer = module.layer_idx
     q_tok = query[0].transpose(0, 1)  # [T, Hq, D]
     meta.kv_cache.write(layer, meta.write_index, key[0], value[0])
+    if meta.on_layer_written is not None:
+        meta.on_layer_written(layer)
     num_tokens, h_q, d = q_tok.shape
     if len(meta.groups) == 1 and meta.groups[0].token_index is None:  # decode only: no scatter
         group = meta.groups[0]

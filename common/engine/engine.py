@@ -18,7 +18,8 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,8 +29,8 @@ from common.engine.block_pool import BlockPool, NoFreeBlocksError
 from common.engine.config import EngineConfig
 from common.engine.cpu_linear import pack_linear_layers, packing_supported
 from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.disagg import KVHandoffMixin
 from common.engine.kv_cache import KVCacheSpec, PagedKVCache
-from common.engine.kv_handoff import KVHandoff
 from common.engine.model_runner import ModelRunner
 from common.engine.request import (
     CompletionResult,
@@ -38,6 +39,7 @@ from common.engine.request import (
     RequestOutput,
     RequestStatus,
 )
+from common.engine.reservations import ReservationTable
 from common.engine.sampler import Sampler, TokenLogprobs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
@@ -49,10 +51,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+KVLayerSink = Callable[[str, int, torch.Tensor, torch.Tensor], None]
 
 
-class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+class LLMEngine(KVHandoffMixin):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        kv_layer_sink: KVLayerSink | None = None,
+    ) -> None:
+        """``kv_layer_sink(request_id, layer, k, v)`` receives the prompt KV of ``prefill_only`` requests
+        layer by layer, during the forward pass that completes their prompt, right after each layer is
+        computed (k/v: copies, [n, bs, H, D]). It runs on the engine's thread and must not block."""
         self.config = config = config or EngineConfig()
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -87,6 +99,8 @@ class LLMEngine:
             watermark_blocks=max(1, num_blocks // 100),
         )
         self.sampler = Sampler(seed=config.seed)
+        self.reservations = ReservationTable(self.block_pool, config.block_size)
+        self.kv_layer_sink = kv_layer_sink
         self._requests: dict[str, Request] = {}  # every request not yet finished and reported
         self._arrivals = itertools.count()
         log.info(
@@ -190,7 +204,7 @@ class LLMEngine:
         """Stop a request and free its blocks at once; False if it is unknown or already finished."""
         request = self._requests.pop(request_id, None)
         if request is None:
-            return False
+            return self.reservations.release(request_id)
         if request.status is RequestStatus.PREFILLED:
             self.block_pool.free(request.block_ids)
             request.block_ids = []
@@ -215,10 +229,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; returns an output for every request that produced something."""
+        self.reservations.expire()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
         batch = self.runner.prepare(sched.scheduled)
+        if self.kv_layer_sink is not None:
+            completing = [r for r, n in sched.scheduled if r.prefill_only and r.num_computed_tokens + n == r.num_tokens]
+            if completing:
+                batch.attn.on_layer_written = partial(self._stream_layer, completing)
         logits = self.runner.run(batch)  # [S, V]
         touched = [r for r, _ in sched.scheduled]
         for request, n in sched.scheduled:
@@ -306,7 +325,10 @@ class LLMEngine:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         requests = {rid: self._requests[rid] for rid in ids}
-        acc = {rid: CompletionResult(rid, list(r.prompt_token_ids), [], "", FinishReason.LENGTH) for rid, r in requests.items()}
+        acc = {
+            rid: CompletionResult(rid, list(r.prompt_token_ids), [], "", FinishReason.LENGTH)
+            for rid, r in requests.items()
+        }
         with_logprobs = {rid for rid, sp in zip(ids, params) if sp.logprobs is not None}
         remaining = set(ids)
         while remaining:
@@ -329,70 +351,5 @@ class LLMEngine:
                     result.num_preemptions = requests[out.request_id].num_preemptions
                     remaining.discard(out.request_id)
         return [acc[rid] for rid in ids]
-
-    # -- the disaggregated hand-off -----------------------------------------------------------------------
-
-    def export_kv(self, request_id: str) -> KVHandoff:
-        """The KV of a prefilled request (see ``prefill_only``); frees its blocks here. Called once."""
-        request = self._requests.get(request_id)
-        if request is None or request.status is not RequestStatus.PREFILLED:
-            state = "unknown" if request is None else request.status.value
-            raise ValueError(f"request {request_id!r} has no exportable KV (state: {state})")
-        num_blocks = -(-request.num_computed_tokens // self.kv_spec.block_size)
-        blocks = request.block_ids[:num_blocks]
-        layers = [self.kv_cache.read_blocks(layer, blocks) for layer in range(self.kv_spec.num_layers)]
-        handoff = KVHandoff(
-            request_id=request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            output_token_ids=list(request.output_token_ids),
-            num_kv_tokens=request.num_computed_tokens,
-            spec=self.kv_spec,
-            layers=layers,
-            model_fingerprint=self.loaded.fingerprint,
-            generator_state=None if request.generator is None else request.generator.get_state(),
-        )
-        self.block_pool.free(request.block_ids)
-        request.block_ids = []
-        request.status = RequestStatus.FINISHED
-        del self._requests[request_id]
-        return handoff
-
-    def import_kv(
-        self, handoff: KVHandoff, sampling: SamplingParams, *, request_id: str | None = None
-    ) -> str:
-        """Continue a request prefilled elsewhere: its KV goes into blocks of this engine's pool.
-
-        ``sampling`` must be the request's original parameters (``max_new_tokens`` counts the tokens the
-        sender already sampled). Raises ValueError if the KV does not fit this engine's model or layout,
-        NoFreeBlocksError if the pool cannot hold it now. The first output reports the imported tokens too.
-        """
-        handoff.check_compatible(self.kv_spec, self.loaded.fingerprint)
-        sampling.validate(self.vocab_size)
-        self._check_prompt(handoff.prompt_token_ids)
-        block_ids = self.block_pool.allocate(handoff.num_blocks)
-        try:
-            for layer, (k, v) in enumerate(handoff.layers):
-                self.kv_cache.write_blocks(layer, block_ids, k, v)
-            request = self._new_request(
-                request_id or handoff.request_id,
-                handoff.prompt_token_ids,
-                sampling,
-                output_ids=handoff.output_token_ids,
-            )
-        except Exception:
-            self.block_pool.free(block_ids)
-            raise
-        request.block_ids = block_ids
-        request.num_computed_tokens = handoff.num_kv_tokens
-        if request.generator is not None and handoff.generator_state is not None:
-            request.generator.set_state(handoff.generator_state)
-        request.pending_token_ids = list(handoff.output_token_ids)
-        request.pending_logprobs = [None] * len(handoff.output_token_ids)
-        for token in handoff.output_token_ids:
-            if self._emit_text(request, request.detokenizer.add(token)):
-                break
-        self.scheduler.add(request)
-        return request.request_id
-
 
 __all__ = ["LLMEngine", "NoFreeBlocksError"]

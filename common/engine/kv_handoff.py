@@ -44,10 +44,14 @@ class KVHandoff:
         if self.spec != spec:
             raise ValueError(f"KV of request {self.request_id} has layout {self.spec}, this engine uses {spec}")
         if len(self.layers) != spec.num_layers:
-            raise ValueError(f"KV of request {self.request_id} has {len(self.layers)} layers, expected {spec.num_layers}")
+            raise ValueError(
+                f"KV of request {self.request_id} has {len(self.layers)} layers, expected {spec.num_layers}"
+            )
         shape = spec.block_shape(self.num_blocks)
         for i, (k, v) in enumerate(self.layers):
             if tuple(k.shape) != shape or tuple(v.shape) != shape:
-                raise ValueError(f"KV of request {self.request_id}, layer {i}: shape {tuple(k.shape)}, expected {shape}")
+                raise ValueError(
+                    f"KV of request {self.request_id}, layer {i}: shape {tuple(k.shape)}, expected {shape}"
+                )
         if not 0 < self.num_kv_tokens <= len(self.prompt_token_ids) + len(self.output_token_ids):
             raise ValueError(f"KV of request {self.request_id} claims {self.num_kv_tokens} tokens")

@@ -156,6 +156,7 @@ def train_tokenizer(arch: str, vocab_size: int):
     Deterministic; the result may be smaller than ``vocab_size`` when the corpus runs out of merges.
     """
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             if res.logprobs is not None:
                 obj["logprobs"] = [
                     None if lp is None else {"token_id": lp.token_id, "logprob": lp.logprob,
-                                             "top": [[t, l] for t, l in zip(lp.top_token_ids, lp.top_logprobs)]}
+                                             "top": [[t, x] for t, x in zip(lp.top_token_ids, lp.top_logprobs)]}
                     for lp in res.logprobs
                 ]
             sys.stdout.write(json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n")

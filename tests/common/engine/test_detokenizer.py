@@ -8,12 +8,12 @@ SentencePiece byte-fallback tokens (`<0xE6>`) for characters outside its vocabul
 from __future__ import annotations
 
 import json
+from pydoc_data.topics import topics
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydoc_data.topics import topics
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 

@@ -1,0 +1,165 @@
+"""The disaggregated hand-off API of :class:`~common.engine.engine.LLMEngine` (a mixin).
+
+Prefill side (sender):
+
+- ``add_request(..., prefill_only=True)`` runs a prompt to its first token; with a ``kv_layer_sink`` the
+  engine hands each layer's prompt KV to the sink during that forward pass (:meth:`_stream_layer`);
+- :meth:`export_kv` ends the request here: its tokens, generator state and (optionally) its KV.
+
+Decode side (receiver):
+
+- :meth:`reserve_kv` takes blocks under a lease before the KV is sent;
+- :meth:`write_kv` lands chunks of blocks, layer by layer, in any order;
+- :meth:`admit_reserved` starts decoding once everything arrived; :meth:`release_kv` gives up;
+- :meth:`import_kv` does all three for a whole :class:`KVHandoff` at once.
+
+The methods use the engine's pool, cache, scheduler and request table; like the engine, they are not
+thread-safe, except :meth:`write_kv`, which touches only the reservation's own blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.engine.kv_handoff import KVHandoff
+from common.engine.request import Request, RequestStatus
+from common.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from common.engine.engine import LLMEngine
+
+
+class KVHandoffMixin:
+    def _stream_layer(self: LLMEngine, requests: list[Request], layer: int) -> None:
+        """Hand one layer's prompt KV of prefill-only requests to the sink (attention calls it per layer)."""
+        for request in requests:
+            num_blocks = -(-request.num_tokens // self.kv_spec.block_size)
+            k, v = self.kv_cache.read_blocks(layer, request.block_ids[:num_blocks])
+            self.kv_layer_sink(request.request_id, layer, k, v)
+
+    def export_kv(self: LLMEngine, request_id: str, *, with_kv: bool = True) -> KVHandoff:
+        """The KV of a prefilled request (see ``prefill_only``); frees its blocks here. Called once.
+
+        ``with_kv=False`` leaves ``layers`` empty: for a request whose KV already left layer by layer
+        through ``kv_layer_sink``, the hand-off then carries only the tokens and the generator state.
+        """
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.PREFILLED:
+            state = "unknown" if request is None else request.status.value
+            raise ValueError(f"request {request_id!r} has no exportable KV (state: {state})")
+        num_blocks = -(-request.num_computed_tokens // self.kv_spec.block_size)
+        blocks = request.block_ids[:num_blocks]
+        layers = []
+        if with_kv:
+            layers = [self.kv_cache.read_blocks(layer, blocks) for layer in range(self.kv_spec.num_layers)]
+        handoff = KVHandoff(
+            request_id=request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            num_kv_tokens=request.num_computed_tokens,
+            spec=self.kv_spec,
+            layers=layers,
+            model_fingerprint=self.loaded.fingerprint,
+            generator_state=None if request.generator is None else request.generator.get_state(),
+        )
+        self.block_pool.free(request.block_ids)
+        request.block_ids = []
+        request.status = RequestStatus.FINISHED
+        del self._requests[request_id]
+        return handoff
+
+    def import_kv(
+        self, handoff: KVHandoff, sampling: SamplingParams, *, request_id: str | None = None
+    ) -> str:
+        """Continue a request prefilled elsewhere, with all its KV at hand (reserve + write + admit).
+
+        Raises ValueError if the KV does not fit this engine's model or layout, NoFreeBlocksError if the pool
+        cannot hold it now; nothing is left allocated on failure.
+        """
+        handoff.check_compatible(self.kv_spec, self.loaded.fingerprint)
+        rid = request_id or handoff.request_id
+        self.reserve_kv(rid, handoff.num_kv_tokens, lease_s=60.0)
+        try:
+            for layer, (k, v) in enumerate(handoff.layers):
+                self.write_kv(rid, layer, 0, k, v)
+            return self.admit_reserved(
+                rid, handoff.prompt_token_ids, handoff.output_token_ids, sampling, handoff.generator_state
+            )
+        except Exception:
+            self.reservations.release(rid)
+            raise
+
+    # -- the decode side of the hand-off: reserve, receive layer by layer, admit ---------------------------
+
+    def reserve_kv(self: LLMEngine, request_id: str, num_tokens: int, *, lease_s: float) -> list[int]:
+        """Reserve blocks for ``num_tokens`` tokens of KV that another engine will send; returns block ids.
+
+        The lease ends after ``lease_s`` seconds: unless :meth:`admit_reserved` or :meth:`release_kv` came
+        first, the next :meth:`step` frees the blocks. Raises NoFreeBlocksError when the pool is short.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"{num_tokens} tokens of KV leave no room to generate (context {self.max_model_len})")
+        return list(self.reservations.reserve(request_id, num_tokens, lease_s).block_ids)
+
+    def write_kv(
+        self: LLMEngine, request_id: str, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write received KV ([n, bs, H, D] each) into blocks ``first_block .. first_block + n`` of a reservation.
+
+        Touches only the reservation's own blocks, so it may run beside a step that computes other blocks.
+        """
+        reservation = self.reservations.get(request_id)
+        n = k.shape[0]
+        if not 0 <= layer < self.kv_spec.num_layers:
+            raise ValueError(f"layer {layer} is outside [0, {self.kv_spec.num_layers})")
+        if first_block < 0 or first_block + n > len(reservation.block_ids):
+            raise ValueError(
+                f"blocks [{first_block}, {first_block + n}) are outside the {len(reservation.block_ids)} reserved "
+                f"for request {request_id!r}"
+            )
+        self.kv_cache.write_blocks(layer, reservation.block_ids[first_block : first_block + n], k, v)
+
+    def admit_reserved(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        generator_state: torch.Tensor | None = None,
+    ) -> str:
+        """Turn a reservation whose KV has fully arrived into a running request that continues decoding.
+
+        ``output_token_ids`` are the tokens the sender already sampled; ``sampling`` the request's original
+        parameters (``max_new_tokens`` counts those tokens too); ``generator_state`` continues a seeded
+        request's random stream. The first output reports the imported tokens as well.
+        """
+        reservation = self.reservations.get(request_id)
+        sampling.validate(self.vocab_size)
+        prompt_ids = [int(t) for t in prompt_token_ids]
+        self._check_prompt(prompt_ids)
+        if reservation.num_tokens > len(prompt_ids) + len(output_token_ids):
+            raise ValueError(
+                f"request {request_id!r} reserved {reservation.num_tokens} tokens of KV but has only "
+                f"{len(prompt_ids) + len(output_token_ids)} tokens"
+            )
+        request = self._new_request(request_id, prompt_ids, sampling, output_ids=output_token_ids)
+        request.block_ids = self.reservations.take(request_id).block_ids
+        request.num_computed_tokens = reservation.num_tokens
+        if request.generator is not None and generator_state is not None:
+            request.generator.set_state(generator_state)
+        request.pending_token_ids = list(output_token_ids)
+        request.pending_logprobs = [None] * len(output_token_ids)
+        for token in output_token_ids:
+            if self._emit_text(request, request.detokenizer.add(token)):
+                break
+        self.scheduler.add(request)
+        return request_id
+
+    def release_kv(self: LLMEngine, request_id: str) -> bool:
+        """Free a reservation (its transfer failed or was cancelled); False if there is none."""
+        return self.reservations.release(request_id)

@@ -1,0 +1,125 @@
+"""The decode side of the hand-off (reserve → write layer by layer → admit) and layer-wise KV streaming."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine, NoFreeBlocksError
+from common.engine.loader import load_model
+from common.engine.sampling_params import SamplingParams
+from tests.common.engine.test_engine_oracle import GREEDY, make_prompts, max_tokens_for
+from tests.conftest import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("qwen2")
+
+
+def prefill_streaming(model_dir, prompts, params):
+    """Prefill every prompt with a layer sink; returns (streamed {rid: {layer: (k, v)}}, handoffs by rid)."""
+    streamed: dict[str, dict[int, tuple]] = {}
+    order: list[tuple[str, int]] = []
+
+    def sink(rid, layer, k, v):
+        order.append((rid, layer))
+        streamed.setdefault(rid, {})[layer] = (k, v)
+
+    engine = LLMEngine(load_model(model_dir), EngineConfig(num_kv_blocks=300, max_num_batched_tokens=256,
+                                                           prefill_chunk_size=128), kv_layer_sink=sink)
+    ids = [engine.add_request(p, sp, prefill_only=True) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    for rid in ids:  # each request's layers arrive once each, in order
+        layers = [layer for r, layer in order if r == rid]
+        assert layers == list(range(engine.kv_spec.num_layers))
+    full = {rid: engine.export_kv(rid) for rid in ids[:2]}  # with KV: must equal what was streamed
+    light = {rid: engine.export_kv(rid, with_kv=False) for rid in ids[2:]}
+    for rid, handoff in full.items():
+        for layer, (k, v) in enumerate(handoff.layers):
+            assert torch.equal(k, streamed[rid][layer][0]) and torch.equal(v, streamed[rid][layer][1])
+    assert all(h.layers == [] for h in light.values())
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    return ids, streamed, {**full, **light}
+
+
+def decode_from_stream(model_dir, ids, streamed, handoffs, params, chunk_blocks=3):
+    engine = LLMEngine(load_model(model_dir), EngineConfig(num_kv_blocks=400))
+    engine.block_pool.allocate(5)  # different block ids than the sender's
+    out = {}
+    for rid, sp in zip(ids, params):
+        h = handoffs[rid]
+        engine.reserve_kv(rid, h.num_kv_tokens, lease_s=30)
+        for layer in reversed(range(engine.kv_spec.num_layers)):  # any order, in chunks of blocks
+            k, v = streamed[rid][layer]
+            for first in range(0, k.shape[0], chunk_blocks):
+                engine.write_kv(rid, layer, first, k[first : first + chunk_blocks], v[first : first + chunk_blocks])
+        engine.admit_reserved(rid, h.prompt_token_ids, h.output_token_ids, sp, h.generator_state)
+        out[rid] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 5
+    return out
+
+
+def test_streamed_layers_continue_greedy_exactly(model_dir, hf_reference):
+    prompts = make_prompts(4096, lens=[1, 16, 17, 100, 250, 300], seed=11)
+    params = [SamplingParams(max_new_tokens=max_tokens_for(i), **GREEDY) for i in range(len(prompts))]
+    ids, streamed, handoffs = prefill_streaming(model_dir, prompts, params)
+    out = decode_from_stream(model_dir, ids, streamed, handoffs, params)
+    reference = hf_reference(model_dir)
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+        assert out[rid] == hf_greedy(reference, prompt, max_tokens_for(i)), f"prompt {i}"
+
+
+def test_seeded_sampling_continues_across_the_handoff(model_dir):
+    prompts = make_prompts(4096, lens=[20, 80, 150], seed=12)
+    params = [SamplingParams(max_new_tokens=30, temperature=0.8, top_k=40, seed=100 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    single = LLMEngine(load_model(model_dir), EngineConfig(num_kv_blocks=300)).generate(prompts, params)
+    ids, streamed, handoffs = prefill_streaming(model_dir, prompts, params)
+    out = decode_from_stream(model_dir, ids, streamed, handoffs, params)
+    assert [out[rid] for rid in ids] == [r.token_ids for r in single]
+
+
+@pytest.fixture
+def engine(model_dir):
+    return LLMEngine(load_model(model_dir), EngineConfig(num_kv_blocks=200))
+
+
+def test_reservation_lease_expires_and_frees_blocks(engine):
+    blocks = engine.reserve_kv("r1", 40, lease_s=0.05)
+    assert len(blocks) == 3 and engine.block_pool.num_used_blocks == 3
+    time.sleep(0.1)
+    engine.step()
+    assert engine.block_pool.num_used_blocks == 0
+    k = torch.zeros(1, *engine.kv_spec.block_shape(1)[1:])
+    with pytest.raises(ValueError, match="no KV reservation"):
+        engine.write_kv("r1", 0, 0, k, k)
+
+
+def test_reservation_errors_are_clear_and_leak_nothing(engine):
+    engine.reserve_kv("r1", 20, lease_s=10)
+    with pytest.raises(ValueError, match="already has a KV reservation"):
+        engine.reserve_kv("r1", 20, lease_s=10)
+    k = torch.zeros(2, *engine.kv_spec.block_shape(1)[1:])
+    with pytest.raises(ValueError, match=r"blocks \[1, 3\) are outside the 2 reserved"):
+        engine.write_kv("r1", 0, 1, k, k)
+    with pytest.raises(ValueError, match="layer 9"):
+        engine.write_kv("r1", 9, 0, k, k)
+    with pytest.raises(ValueError, match="reserved 20 tokens of KV but has only 5"):
+        engine.admit_reserved("r1", [1, 2, 3, 4], [5], SamplingParams(**GREEDY))
+    engine.reserve_kv("r2", 2000, lease_s=10)  # 125 blocks
+    with pytest.raises(NoFreeBlocksError):
+        engine.reserve_kv("r3", 2000, lease_s=10)
+    assert "r3" not in engine.reservations and engine.release_kv("r2")
+    with pytest.raises(ValueError, match="2048 tokens of KV leave no room"):
+        engine.reserve_kv("r4", 2048, lease_s=10)
+    assert engine.abort("r1")  # abort releases a reservation too
+    assert not engine.release_kv("r1")
+    assert engine.block_pool.num_used_blocks == 0
