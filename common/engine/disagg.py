@@ -131,12 +131,17 @@ class KVHandoffMixin:
         output_token_ids: Sequence[int],
         sampling: SamplingParams,
         generator_state: torch.Tensor | None = None,
+        *,
+        report_imported: bool = True,
     ) -> str:
         """Turn a reservation whose KV has fully arrived into a running request that continues decoding.
 
         ``output_token_ids`` are the tokens the sender already sampled; ``sampling`` the request's original
         parameters (``max_new_tokens`` counts those tokens too); ``generator_state`` continues a seeded
-        request's random stream. The first output reports the imported tokens as well.
+        request's random stream. The first output reports the imported tokens and their text as well, unless
+        ``report_imported`` is False (the sender already reported them: the text of what follows then
+        continues exactly where the sender's text stopped, since detokenizer and stop-string state are
+        rebuilt from the same tokens).
         """
         reservation = self.reservations.get(request_id)
         sampling.validate(self.vocab_size)
@@ -152,11 +157,14 @@ class KVHandoffMixin:
         request.num_computed_tokens = reservation.num_tokens
         if request.generator is not None and generator_state is not None:
             request.generator.set_state(generator_state)
-        request.pending_token_ids = list(output_token_ids)
-        request.pending_logprobs = [None] * len(output_token_ids)
         for token in output_token_ids:
             if self._emit_text(request, request.detokenizer.add(token)):
                 break
+        if report_imported:
+            request.pending_token_ids = list(output_token_ids)
+            request.pending_logprobs = [None] * len(output_token_ids)
+        else:
+            request.pending_text = ""
         self.scheduler.add(request)
         return request_id
 

@@ -123,3 +123,28 @@ def test_reservation_errors_are_clear_and_leak_nothing(engine):
     assert engine.abort("r1")  # abort releases a reservation too
     assert not engine.release_kv("r1")
     assert engine.block_pool.num_used_blocks == 0
+
+
+def test_text_continues_across_the_handoff_without_repeats(model_dir):
+    """Sender reports the first token and its text; the receiver (report_imported=False) the rest."""
+    prompts = ["The class statement", "def f(x):\n    return", "héllo wörld 日本語"]
+    sp = SamplingParams(max_new_tokens=25, stop=("ing",), **GREEDY)
+    single = LLMEngine(load_model(model_dir), EngineConfig(num_kv_blocks=130)).generate(prompts, sp)
+    prefill = LLMEngine(load_model(model_dir), EngineConfig(num_kv_blocks=130))
+    decode = LLMEngine(load_model(model_dir), EngineConfig(num_kv_blocks=130))
+    for prompt, expected in zip(prompts, single):
+        rid = prefill.add_request(prompt, sp, prefill_only=True)
+        (first,) = prefill.step()
+        tokens, text = list(first.new_token_ids), first.new_text
+        if not first.finished:
+            handoff = prefill.export_kv(rid)
+            decode.reserve_kv(rid, handoff.num_kv_tokens, lease_s=10)
+            for layer, (k, v) in enumerate(handoff.layers):
+                decode.write_kv(rid, layer, 0, k, v)
+            decode.admit_reserved(rid, handoff.prompt_token_ids, handoff.output_token_ids, sp, report_imported=False)
+            while decode.has_unfinished_requests():
+                for out in decode.step():
+                    tokens += out.new_token_ids
+                    text += out.new_text
+        assert tokens == expected.token_ids
+        assert text == expected.text
