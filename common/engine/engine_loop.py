@@ -1,0 +1,236 @@
+"""Runs an :class:`~common.engine.engine.LLMEngine` on a thread of its own, for servers.
+
+The engine is single-threaded; a server has many handler threads. :class:`EngineLoop` owns the engine on
+one thread and gives the others three verbs:
+
+- :meth:`EngineLoop.call` runs a function on the engine thread between two steps and returns its result
+  (add a request, abort, reserve or write KV, read stats): every engine access goes through it, so the
+  engine never sees two threads.
+- :meth:`EngineLoop.add_request` is ``call(engine.add_request)`` plus a :class:`RequestStream` that
+  receives the request's outputs as the steps produce them.
+- :meth:`EngineLoop.stop` ends the thread; every open stream then ends with an error, never silence.
+
+Life cycle of the thread: run queued calls → if the engine has work, ``step()`` and route the outputs to
+their streams → else sleep until a call arrives. A step that raises fails every open stream with that
+error and the loop keeps serving (the error is logged); nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from common.engine.request import FinishReason, RequestOutput
+
+if TYPE_CHECKING:
+    from common.engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+IDLE_WAIT_S = 0.05  # an idle loop wakes this often to expire KV reservation leases
+
+
+class StreamClosed(RuntimeError):
+    """The stream ended without a finished output: the loop stopped or a step failed."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot taken after each step; reading it needs no lock."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_reserved: int = 0
+
+
+class RequestStream:
+    """The outputs of one request, in order; ends after the output with ``finished`` (or ``prefilled``)."""
+
+    _END = object()
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+
+    def _put(self, out: RequestOutput) -> None:
+        self._queue.put(out)
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._queue.put(self._END)
+
+    def get(self, timeout_s: float | None = None) -> RequestOutput:
+        """The next output; raises ``queue.Empty`` after ``timeout_s``, :class:`StreamClosed` if the loop
+        stopped or a step failed before the request finished."""
+        item = self._queue.get(timeout=timeout_s)
+        if item is self._END:
+            self._queue.put(self._END)  # every later get() fails the same way
+            raise StreamClosed(f"request {self.request_id}: {self._error}") from self._error
+        return item
+
+    def __iter__(self):
+        while True:
+            out = self.get()
+            yield out
+            if out.finished or out.prefilled:
+                return
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, *, name: str = "engine-loop") -> None:
+        self.engine = engine
+        self._calls: queue.Queue[tuple[Callable, Future]] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.stats = EngineStats(kv_blocks_total=engine.block_pool.num_blocks)
+        self.num_steps = 0
+
+    # -- any thread -----------------------------------------------------------------------------------------
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the loop after the current step; open streams fail with StreamClosed. Idempotent."""
+        self._stopping.set()
+        self._calls.put((lambda engine: None, Future()))  # wake the thread
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def call(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = None) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps; its result or its exception."""
+        return self.submit(fn).result(timeout_s)
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> Future:
+        future: Future = Future()
+        if self._stopping.is_set():
+            future.set_exception(StreamClosed("the engine loop is stopped"))
+            return future
+        self._calls.put((fn, future))
+        return future
+
+    def add_request(self, *args, **kwargs) -> RequestStream:
+        """``engine.add_request(*args, **kwargs)`` on the engine thread, with a stream of its outputs.
+
+        Raises what ``add_request`` raises (ValueError on bad input) in the caller's thread.
+        """
+
+        def add(engine: LLMEngine) -> RequestStream:
+            request_id = engine.add_request(*args, **kwargs)
+            stream = self._streams[request_id] = RequestStream(request_id)
+            return stream
+
+        return self.call(add)
+
+    def open_stream(self, fn: Callable[[LLMEngine], str]) -> RequestStream:
+        """Run ``fn`` (which adds or admits a request and returns its id) and stream that request's outputs."""
+
+        def run(engine: LLMEngine) -> RequestStream:
+            request_id = fn(engine)
+            stream = self._streams[request_id] = RequestStream(request_id)
+            return stream
+
+        return self.call(run)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (or release a KV reservation); its stream ends with an aborted output."""
+
+        def abort(engine: LLMEngine) -> bool:
+            done = engine.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream._put(RequestOutput(request_id, [], "", True, FinishReason.ABORT))
+            return done
+
+        return self.call(abort)
+
+    # -- the engine thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            self._run_calls(block=not engine.has_unfinished_requests())  # idle: wait up to IDLE_WAIT_S
+            if self._stopping.is_set():
+                break
+            if not engine.has_unfinished_requests():
+                if engine.reservations.expire():  # leases end while idle too
+                    self._snapshot()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # noqa: BLE001 - a broken step must end streams, not the server
+                log.exception("engine step failed; failing %d open streams", len(self._streams))
+                for rid, stream in list(self._streams.items()):
+                    engine.abort(rid)
+                    stream._fail(exc)
+                self._streams.clear()
+                continue
+            self.num_steps += 1
+            self._route(outputs)
+            self._snapshot()
+        self._shutdown()
+
+    def _run_calls(self, *, block: bool) -> None:
+        try:
+            item = self._calls.get(timeout=IDLE_WAIT_S) if block else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+        self._snapshot()
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream._put(out)
+            if out.finished or out.prefilled:
+                del self._streams[out.request_id]
+
+    def _snapshot(self) -> None:
+        e = self.engine
+        self.stats = EngineStats(
+            num_requests_running=e.num_requests_running,
+            num_requests_waiting=e.num_requests_waiting,
+            kv_blocks_used=e.block_pool.num_used_blocks,
+            kv_blocks_total=e.block_pool.num_blocks,
+            kv_blocks_reserved=e.reservations.num_reserved_blocks,
+        )
+
+    def _shutdown(self) -> None:
+        closed = StreamClosed("the engine loop stopped")
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort(rid)
+            stream._fail(closed)
+        self._streams.clear()
+        while True:  # calls that arrived too late
+            try:
+                _fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if future.set_running_or_notify_cancel():
+                future.set_exception(closed)

@@ -1,0 +1,128 @@
+"""EngineLoop: many threads, one engine thread; outputs routed to the right streams; nothing hangs."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.engine_loop import EngineLoop, StreamClosed
+from common.engine.loader import load_model
+from common.engine.sampling_params import SamplingParams
+from tests.common.engine.test_engine_oracle import GREEDY, make_prompts
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return load_model(tiny_model_dir("llama"))
+
+
+@pytest.fixture
+def loop(loaded):
+    loop = EngineLoop(LLMEngine(loaded, EngineConfig(num_kv_blocks=300))).start()
+    yield loop
+    loop.stop()
+
+
+def collect(stream) -> tuple[list[int], str, str]:
+    tokens, text, reason = [], "", None
+    for out in stream:
+        tokens += out.new_token_ids
+        text += out.new_text
+        reason = out.finish_reason
+    return tokens, text, reason.value
+
+
+def test_concurrent_submitters_get_exactly_their_own_outputs(loop, loaded):
+    prompts = make_prompts(4096, lens=[3, 40, 90, 150, 7, 60], seed=21)
+    params = [SamplingParams(max_new_tokens=5 + 3 * i, **GREEDY) for i in range(len(prompts))]
+    expected = LLMEngine(loaded, EngineConfig(num_kv_blocks=300)).generate(prompts, params)
+    results: dict[int, tuple] = {}
+
+    def client(i):
+        results[i] = collect(loop.add_request(prompts[i], params[i]))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, exp in enumerate(expected):
+        assert results[i] == (exp.token_ids, exp.text, "length")
+    assert loop.call(lambda e: e.block_pool.num_used_blocks) == 0
+    assert loop.stats.kv_blocks_used == 0 and loop.stats.kv_blocks_total == 300
+
+
+def test_bad_input_raises_in_the_callers_thread(loop):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        loop.add_request([], SamplingParams())
+    assert loop.running
+
+
+def test_abort_from_another_thread_ends_the_stream_and_frees_blocks(loop):
+    stream = loop.add_request(list(range(4, 100)), SamplingParams(max_new_tokens=1000, **GREEDY))
+    first = stream.get(timeout_s=30)
+    assert first.new_token_ids and not first.finished
+    assert loop.abort(stream.request_id)
+    outs = []
+    while True:
+        out = stream.get(timeout_s=30)
+        outs.append(out)
+        if out.finished:
+            break
+    assert outs[-1].finish_reason.value == "abort"
+    deadline = time.monotonic() + 1.0
+    while loop.stats.kv_blocks_used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop.call(lambda e: e.block_pool.num_used_blocks) == 0
+
+
+def test_idle_loop_expires_reservation_leases(loop):
+    loop.call(lambda e: e.reserve_kv("r", 50, lease_s=0.1))
+    assert loop.stats.kv_blocks_reserved == 4
+    deadline = time.monotonic() + 2.0
+    while loop.stats.kv_blocks_reserved and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert loop.stats.kv_blocks_reserved == 0 and loop.stats.kv_blocks_used == 0
+
+
+def test_stop_fails_open_streams_and_later_calls(loaded):
+    loop = EngineLoop(LLMEngine(loaded, EngineConfig(num_kv_blocks=300))).start()
+    stream = loop.add_request(list(range(4, 50)), SamplingParams(max_new_tokens=1000, **GREEDY))
+    stream.get(timeout_s=30)
+    loop.stop()
+    with pytest.raises(StreamClosed):
+        while True:
+            stream.get(timeout_s=5)
+    with pytest.raises(StreamClosed):
+        loop.call(lambda e: 1)
+    assert loop.engine.block_pool.num_used_blocks == 0
+
+
+def test_a_failing_step_fails_streams_and_the_loop_keeps_serving(loaded):
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=300))
+    loop = EngineLoop(engine).start()
+    try:
+        real_run = engine.runner.run
+        engine.runner.run = lambda batch: (_ for _ in ()).throw(RuntimeError("injected fault"))
+        stream = loop.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, **GREEDY))
+        with pytest.raises(StreamClosed, match="injected fault"):
+            stream.get(timeout_s=10)
+        engine.runner.run = real_run
+        tokens, _, reason = collect(loop.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, **GREEDY)))
+        assert len(tokens) == 4 and reason == "length"
+        assert loop.call(lambda e: e.block_pool.num_used_blocks) == 0
+    finally:
+        loop.stop()
+
+
+def test_get_times_out_instead_of_hanging(loop):
+    loop.call(lambda e: e.reserve_kv("r2", 20, lease_s=10))
+    stream = loop.open_stream(lambda e: "r2")  # a stream nobody will feed
+    with pytest.raises(queue.Empty):
+        stream.get(timeout_s=0.05)
+    loop.call(lambda e: e.release_kv("r2"))
