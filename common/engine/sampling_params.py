@@ -118,24 +118,23 @@ class SamplingParams:
 
         The generation config supplies defaults the way vLLM's `--generation-config auto` reads it:
         only values it actually sets (not None) are taken. When `do_sample` is true, its temperature,
-        top_p, top_k and min_p are taken; when it is false or unset the default is greedy
-        (temperature 0) unless the user sets a temperature. Its repetition_penalty is always taken,
-        as `model.generate` applies it in both modes. `overrides` set to None are skipped, so a CLI
-        can pass its parsed flags straight through. The result is not validated.
+        top_p, top_k and min_p are taken; when it is false or unset, or there is no generation config,
+        the default is greedy (temperature 0) unless the user sets a temperature. Its
+        repetition_penalty is always taken, as `model.generate` applies it in both modes. `overrides`
+        set to None are skipped, so a CLI can pass its parsed flags straight through. The result is
+        not validated.
         """
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(names)}")
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {"temperature": 0.0}  # greedy unless the config samples or the user says
         if generation_config is not None:
             if getattr(generation_config, "do_sample", None):
                 for name in _SAMPLING_CONFIG_FIELDS:
                     value = getattr(generation_config, name, None)
                     if value is not None:
                         values[name] = value
-            else:
-                values["temperature"] = 0.0
             repetition_penalty = getattr(generation_config, "repetition_penalty", None)
             if repetition_penalty is not None:
                 values["repetition_penalty"] = repetition_penalty

@@ -123,6 +123,6 @@ def test_from_generation_config_user_temperature_beats_greedy_config() -> None:
 
 
 def test_from_generation_config_none_and_unknown_override() -> None:
-    assert SamplingParams.from_generation_config(None, stop=["x"]) == SamplingParams(stop=("x",))
+    assert SamplingParams.from_generation_config(None, stop=["x"]) == SamplingParams(temperature=0.0, stop=("x",))
     with pytest.raises(ValueError, match=r"unknown sampling parameter\(s\) \['temprature'\]"):
         SamplingParams.from_generation_config(None, temprature=0.5)

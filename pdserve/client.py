@@ -1,0 +1,135 @@
+"""A small Python client of the router's ``pdserve.v1.GenerateService`` (streaming, deadlines, cancellation).
+
+    from pdserve.client import Client
+    with Client("127.0.0.1:50051") as client:
+        for piece in client.stream("Hello", max_tokens=16):
+            print(piece.text, end="", flush=True)
+        result = client.generate("Hello", max_tokens=16, temperature=0.0)
+
+Errors arrive as :class:`grpc.RpcError` with the router's status code and message. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.v1 import generate_pb2, generate_pb2_grpc, types_pb2
+
+_FINISH = {
+    types_pb2.FINISH_REASON_UNSPECIFIED: None,
+    types_pb2.FINISH_REASON_STOP: "stop",
+    types_pb2.FINISH_REASON_LENGTH: "length",
+    types_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass
+class Piece:
+    """One streamed message: new tokens and text; the last one has ``finish_reason``."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    request_id: str = ""
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Result:
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def sampling_message(
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    seed: int | None = None,
+    logprobs: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+) -> types_pb2.SamplingParams:
+    """The ``SamplingParams`` message; ``None`` leaves a field unset (the model's default applies)."""
+    msg = types_pb2.SamplingParams(max_tokens=max_tokens or 0, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                   ignore_eos=ignore_eos)
+    for name, value in [("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+                        ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty), ("seed", seed), ("logprobs", logprobs)]:
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+class Client:
+    def __init__(self, address: str, *, timeout_s: float | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address)
+        self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def request(self, prompt: str | Sequence[int], *, request_id: str = "", **sampling) -> generate_pb2.GenerateRequest:
+        req = generate_pb2.GenerateRequest(sampling=sampling_message(**sampling), request_id=request_id)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        return req
+
+    def stream_call(self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **kwargs):
+        """The raw streaming call (iterate it for GenerateResponse messages; ``.cancel()`` cancels)."""
+        return self._stub.Generate(self.request(prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+
+    def stream(self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **kwargs) -> Iterator[Piece]:
+        call = self.stream_call(prompt, timeout_s=timeout_s, **kwargs)
+        try:
+            for msg in call:
+                yield Piece(
+                    token_ids=list(msg.token_ids), text=msg.text, finish_reason=_FINISH[msg.finish_reason],
+                    request_id=msg.request_id,
+                    prefill_worker_id=msg.prefill_worker_id, decode_worker_id=msg.decode_worker_id,
+                    prompt_tokens=msg.usage.prompt_tokens, completion_tokens=msg.usage.completion_tokens,
+                )  # fmt: skip
+        finally:
+            call.cancel()  # no-op once the stream ended; cancels the request if the caller stopped early
+
+    def generate(self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **kwargs) -> Result:
+        """The whole generation (blocking)."""
+        result = Result()
+        for piece in self.stream(prompt, timeout_s=timeout_s, **kwargs):
+            result.token_ids += piece.token_ids
+            result.text += piece.text
+            result.finish_reason = piece.finish_reason or result.finish_reason
+            result.request_id = piece.request_id or result.request_id
+            result.prefill_worker_id = piece.prefill_worker_id or result.prefill_worker_id
+            result.decode_worker_id = piece.decode_worker_id or result.decode_worker_id
+            result.prompt_tokens = piece.prompt_tokens or result.prompt_tokens
+            result.completion_tokens = piece.completion_tokens or result.completion_tokens
+        return result

@@ -1,0 +1,221 @@
+"""``pdserve.v1.DecodeService``: the decode side of the disaggregated hand-off.
+
+Life cycle of a request on a decode worker:
+
+1. ``ReserveKv`` (router): blocks for the prompt's KV are reserved under a lease, after the router's view of
+   the model was checked against this worker's identity.
+2. ``PushKv`` (prefill worker): chunks arrive in any order; each is verified (header and payload checksums,
+   block ranges) and written straight into the reserved blocks on the gRPC thread, under the reservation's
+   lock. A bad chunk fails the stream with DATA_LOSS naming it, and the reservation is released.
+3. ``Decode`` (router): once every layer arrived, the request joins the continuous batch; its tokens after
+   the ones prefill produced stream back until it finishes. A client that goes away aborts it.
+4. ``ReleaseKv`` (router), the lease's end, or the end of decoding free the blocks. Never a leak, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.engine.block_pool import NoFreeBlocksError
+from common.engine.engine_loop import EngineLoop, StreamClosed
+from common.engine.identity import ModelIdentity
+from common.kv_transfer.wire import TransferAssembler, WireFormatError, decode_header
+from common.rpc import convert
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Reservation:
+    request_id: str
+    block_ids: list[int]
+    assembler: TransferAssembler
+    expires_at_s: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    released: bool = False
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        identity: ModelIdentity,
+        *,
+        generation_config,
+        default_max_tokens: int,
+        max_lease_s: float = 60.0,
+        stream_timeout_s: float = 600.0,
+    ) -> None:
+        self.loop = loop
+        self.identity = identity
+        self.generation_config = generation_config
+        self.default_max_tokens = default_max_tokens
+        self.max_lease_s = max_lease_s
+        self.stream_timeout_s = stream_timeout_s
+        self._reservations: dict[str, _Reservation] = {}
+        self._lock = threading.Lock()  # guards the dict, not the reservations
+        self.num_kv_bytes_received = 0
+
+    # -- ReserveKv ----------------------------------------------------------------------------------------
+
+    def ReserveKv(self, request, context):
+        rid = request.request_id
+        if request.HasField("identity"):
+            problems = self.identity.mismatches(convert.identity_from_proto(request.identity))
+            if problems:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"model mismatch: {'; '.join(problems)}")
+        if not rid or request.num_tokens < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ReserveKv needs a request_id and num_tokens >= 1")
+        lease_s = min(request.lease_seconds or self.max_lease_s, self.max_lease_s)
+        try:
+            # The engine's own lease is a backstop only: this servicer releases first (under the lock), so
+            # blocks never return to the pool while a chunk is being written into them.
+            blocks = self.loop.call(lambda e: e.reserve_kv(rid, request.num_tokens, lease_s=lease_s + 30.0))
+        except NoFreeBlocksError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        engine = self.loop.engine
+        reservation = _Reservation(rid, blocks, None, time.monotonic() + lease_s)  # type: ignore[arg-type]
+        reservation.assembler = TransferAssembler(
+            rid, engine.kv_spec.num_layers, len(blocks), engine.kv_spec, self._writer(reservation)
+        )
+        with self._lock:
+            self._reservations[rid] = reservation
+        return worker_pb2.ReserveKvResponse(
+            num_blocks=len(blocks), identity=convert.identity_to_proto(self.identity)
+        )
+
+    def _writer(self, reservation: _Reservation):
+        kv_cache = self.loop.engine.kv_cache
+
+        def write(layer: int, first_block: int, k, v) -> None:
+            with reservation.lock:
+                if reservation.released:
+                    raise WireFormatError(f"request {reservation.request_id}: reservation already released")
+                kv_cache.write_blocks(layer, reservation.block_ids[first_block : first_block + k.shape[0]], k, v)
+
+        return write
+
+    # -- PushKv -------------------------------------------------------------------------------------------
+
+    def PushKv(self, request_iterator, context):
+        num_chunks = num_bytes = 0
+        touched: set[str] = set()
+        for msg in request_iterator:
+            try:
+                header = decode_header(msg.chunk)
+            except WireFormatError as exc:
+                context.abort(grpc.StatusCode.DATA_LOSS, f"unreadable KV chunk: {exc}")
+            reservation = self._reservations.get(header.request_id)
+            if reservation is None or reservation.released:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"no KV reservation for request {header.request_id} (expired, released or never made)",
+                )
+            try:
+                reservation.assembler.feed(msg.chunk)
+            except ValueError as exc:  # WireFormatError, ChecksumError, ChunkRejectedError
+                self.release(header.request_id)
+                context.abort(grpc.StatusCode.DATA_LOSS, f"bad KV chunk for request {header.request_id}: {exc}")
+            num_chunks += 1
+            num_bytes += len(msg.chunk)
+            touched.add(header.request_id)
+        self.num_kv_bytes_received += num_bytes
+        complete = all(
+            (r := self._reservations.get(rid)) is not None and r.assembler.complete for rid in touched
+        )
+        return worker_pb2.PushKvResponse(num_chunks=num_chunks, num_bytes=num_bytes, complete=complete)
+
+    # -- Decode -------------------------------------------------------------------------------------------
+
+    def Decode(self, request, context):
+        rid = request.request_id
+        with self._lock:
+            reservation = self._reservations.get(rid)
+        if reservation is None or reservation.released:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no KV reservation for request {rid}")
+        if not reservation.assembler.complete:
+            missing = reservation.assembler.describe_progress()
+            self.release(rid)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV of request {rid} is incomplete: {missing}")
+        try:
+            sampling = convert.sampling_from_proto(request.sampling, self.generation_config, self.default_max_tokens)
+        except ValueError as exc:
+            self.release(rid)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        generator_state = None
+        if request.generator_state:
+            import torch
+
+            generator_state = torch.frombuffer(bytearray(request.generator_state), dtype=torch.uint8)
+
+        def admit(engine):
+            with reservation.lock:  # from here on the blocks belong to the request, not the reservation
+                reservation.released = True
+            with self._lock:
+                self._reservations.pop(rid, None)
+            return engine.admit_reserved(
+                rid, list(request.prompt_token_ids), list(request.output_token_ids), sampling, generator_state,
+                report_imported=False,
+            )
+
+        try:
+            stream = self.loop.open_stream(admit)
+        except ValueError as exc:
+            self.release(rid)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        context.add_callback(lambda: self.loop.submit(lambda e: e.abort(rid)))  # no-op once finished
+        try:
+            while True:
+                out = stream.get(timeout_s=self.stream_timeout_s)
+                yield worker_pb2.DecodeResponse(
+                    token_ids=out.new_token_ids,
+                    text=out.new_text,
+                    logprobs=convert.logprobs_to_proto(out.new_logprobs),
+                    finish_reason=convert.finish_reason_to_proto(out.finish_reason if out.finished else None),
+                )
+                if out.finished:
+                    return
+        except StreamClosed as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Exception:  # queue.Empty: the engine produced nothing for stream_timeout_s
+            self.loop.submit(lambda e: e.abort(rid))
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} produced no token in time")
+
+    # -- ReleaseKv, leases --------------------------------------------------------------------------------
+
+    def ReleaseKv(self, request, context):
+        return worker_pb2.ReleaseKvResponse(released=self.release(request.request_id))
+
+    def release(self, request_id: str) -> bool:
+        """Release a reservation or abort a decoding request; True if there was one. Idempotent."""
+        with self._lock:
+            reservation = self._reservations.pop(request_id, None)
+        if reservation is not None:
+            with reservation.lock:  # waits for a chunk being written into these blocks
+                reservation.released = True
+        try:
+            return self.loop.call(lambda e: e.abort(request_id), timeout_s=10.0) or reservation is not None
+        except StreamClosed:
+            return reservation is not None
+
+    def expire_leases(self) -> list[str]:
+        """Release every reservation whose lease ended (a worker thread calls this periodically)."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [rid for rid, r in self._reservations.items() if r.expires_at_s <= now]
+        for rid in expired:
+            log.warning("KV reservation of request %s expired before Decode; released", rid)
+            self.release(rid)
+        return expired
+
+    @property
+    def num_reservations(self) -> int:
+        return len(self._reservations)

@@ -1,0 +1,36 @@
+"""Entry point of a prefill worker: ``pdserve prefill ...``."""
+
+from __future__ import annotations
+
+from common.engine.engine_loop import EngineLoop
+from common.engine.identity import ModelIdentity
+from pdserve.v1 import worker_pb2_grpc
+from services.prefill.servicer import PrefillServicer
+from services.worker.config import WorkerConfig
+from services.worker.runtime import WorkerParts, serve_worker
+
+SERVICE_NAME = "pdserve.v1.PrefillService"
+
+
+def make_parts(config: WorkerConfig):
+    def make(loop: EngineLoop, identity: ModelIdentity) -> WorkerParts:
+        servicer = PrefillServicer(
+            loop,
+            identity,
+            generation_config=loop.engine.loaded.generation_config,
+            default_max_tokens=config.default_max_tokens,
+            transfer_timeout_s=config.kv_transfer_timeout_s,
+            chunk_bytes=config.kv_chunk_bytes,
+            corrupt_chunk_seq=config.test_corrupt_kv_chunk,
+        )
+        return WorkerParts(
+            add_to_server=lambda server: worker_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),
+            service_names=[SERVICE_NAME],
+            num_inflight=lambda: servicer.num_inflight,
+        )
+
+    return make
+
+
+def run(config: WorkerConfig, **kwargs) -> int:
+    return serve_worker("prefill", config, make_parts(config), **kwargs)

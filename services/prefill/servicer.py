@@ -1,0 +1,159 @@
+"""``pdserve.v1.PrefillService``: the prefill side of the disaggregated hand-off.
+
+Life cycle of a request on a prefill worker:
+
+1. ``Prefill`` (router) names the decode worker holding the reservation and its identity; a mismatch with
+   this worker's model, dtype, block size, tokenizer or protocol fails at once (FAILED_PRECONDITION).
+2. The prompt joins the engine's batch (prompts that arrive together share forward passes). During the pass
+   that completes it, the engine hands each layer's KV to a :class:`GrpcKVSender` the moment the layer is
+   computed; chunks stream to the decode worker's ``PushKv`` while later layers compute.
+3. The first token is sampled; the sender waits for the decode worker's acknowledgement; the engine
+   forgets the request (blocks freed) and the response carries the first token and the generator state.
+4. A failed or late transfer answers with its gRPC status (DATA_LOSS, DEADLINE_EXCEEDED, UNAVAILABLE) and
+   frees the blocks; a cancelled call aborts the request here. Never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from common.engine.engine_loop import EngineLoop, StreamClosed
+from common.engine.identity import ModelIdentity
+from common.kv_transfer.grpc_transport import GrpcKVSender
+from common.rpc import convert
+from common.rpc.server import channel
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        identity: ModelIdentity,
+        *,
+        generation_config,
+        default_max_tokens: int,
+        transfer_timeout_s: float = 30.0,
+        chunk_bytes: int = 4 << 20,
+        prefill_timeout_s: float = 600.0,
+        corrupt_chunk_seq: int | None = None,
+    ) -> None:
+        self.loop = loop
+        self.identity = identity
+        self.generation_config = generation_config
+        self.default_max_tokens = default_max_tokens
+        self.transfer_timeout_s = transfer_timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.prefill_timeout_s = prefill_timeout_s
+        self.corrupt_chunk_seq = corrupt_chunk_seq
+        self._senders: dict[str, GrpcKVSender] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        loop.engine.kv_layer_sink = self._sink  # runs on the engine thread: must not block
+
+    def _sink(self, request_id: str, layer: int, k, v) -> None:
+        sender = self._senders.get(request_id)
+        if sender is not None:
+            sender.send_layer(layer, k, v)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = channel(address)
+            return self._channels[address]
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._senders)
+
+    def Prefill(self, request, context):
+        rid = request.request_id
+        if request.HasField("decode_identity"):
+            problems = self.identity.mismatches(convert.identity_from_proto(request.decode_identity))
+            if problems:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"prefill and decode workers disagree: {'; '.join(problems)}",
+                )
+        if not rid or not request.kv_target_address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Prefill needs a request_id and a kv_target_address")
+        try:
+            sampling = convert.sampling_from_proto(request.sampling, self.generation_config, self.default_max_tokens)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        sender = GrpcKVSender(
+            self._channel(request.kv_target_address),
+            rid,
+            self.loop.engine.kv_spec.num_layers,
+            max_chunk_bytes=self.chunk_bytes,
+            timeout_s=self.transfer_timeout_s + self.prefill_timeout_s,
+            corrupt_chunk_seq=self.corrupt_chunk_seq,
+        )
+        self._senders[rid] = sender
+        try:
+            return self._prefill(rid, list(request.prompt_token_ids), sampling, sender, request, context)
+        finally:
+            self._senders.pop(rid, None)
+
+    def _prefill(self, rid, prompt_ids, sampling, sender, request, context):
+        t0 = time.perf_counter()
+        try:
+            stream = self.loop.add_request(prompt_ids, sampling, request_id=rid, prefill_only=True)
+        except ValueError as exc:
+            sender.abort()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        context.add_callback(lambda: self._cancel(rid))
+        remaining = context.time_remaining()
+        try:
+            out = stream.get(timeout_s=min(self.prefill_timeout_s, remaining or self.prefill_timeout_s))
+        except (StreamClosed, queue.Empty) as exc:
+            sender.abort()
+            self.loop.submit(lambda e: e.abort(rid))
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of request {rid} did not complete: {exc!r}")
+        prefill_s = time.perf_counter() - t0
+        response = worker_pb2.PrefillResponse(
+            token_ids=out.new_token_ids,
+            text=out.new_text,
+            logprobs=convert.logprobs_to_proto(out.new_logprobs),
+            prefill_seconds=prefill_s,
+        )
+        if out.finished:  # generation ended at the first token: decode is not needed
+            sender.abort()
+            response.finish_reason = convert.finish_reason_to_proto(out.finish_reason)
+            return response
+        result = sender.finish(self.transfer_timeout_s)
+        try:
+            handoff = self.loop.call(lambda e: e.export_kv(rid, with_kv=False))  # frees the blocks here
+        except ValueError as exc:  # aborted meanwhile
+            context.abort(grpc.StatusCode.CANCELLED, str(exc))
+        if not result.ok:
+            log.warning("KV transfer of %s to %s failed: %s", rid, request.kv_target_address, result.error)
+            context.abort(
+                result.code or grpc.StatusCode.UNAVAILABLE,
+                f"KV transfer of request {rid} to {request.kv_target_address} failed: {result.error}",
+            )
+        if handoff.generator_state is not None:
+            response.generator_state = handoff.generator_state.numpy().tobytes()
+        response.num_kv_tokens = handoff.num_kv_tokens
+        response.kv_bytes = result.num_bytes
+        response.kv_transfer_seconds = result.seconds
+        return response
+
+    def _cancel(self, rid: str) -> None:
+        sender = self._senders.pop(rid, None)
+        if sender is not None:
+            sender.abort()
+        self.loop.submit(lambda e: e.abort(rid))
+
+    def CancelPrefill(self, request, context):
+        rid = request.request_id
+        had_sender = rid in self._senders
+        self._cancel(rid)
+        return worker_pb2.CancelPrefillResponse(cancelled=had_sender)

@@ -1,0 +1,25 @@
+"""Settings of the router (flags, ``PDSERVE_*`` environment variables, ``--config`` YAML)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class RouterConfig:
+    model: str = field(default="", metadata=_help("model directory (the router loads only its tokenizer and config)"))
+    host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
+    port: int = field(default=50051, metadata=_help("gRPC port of the public API (0: any free port)"))
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis holding the registry"))
+    redis_prefix: str = field(default="pdserve:", metadata=_help("prefix of every Redis key"))
+    default_max_tokens: int = field(default=64, metadata=_help("max_tokens when a request gives none"))
+    max_model_len: int | None = field(default=None, metadata=_help("context length (default: the model's)"))
+    registry_refresh_s: float = field(default=0.5, metadata=_help("how often the worker list is re-read"))
+    kv_lease_s: float = field(default=30.0, metadata=_help("lease of a decode worker's KV reservation"))
+    max_retries: int = field(default=1, metadata=_help("retries on another worker pair when a hand-off fails"))
+    request_timeout_s: float = field(default=600.0, metadata=_help("deadline of a request without a client deadline"))
+    record_ttl_s: float = field(default=60.0, metadata=_help("how long Redis keeps a finished request's record"))

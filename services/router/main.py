@@ -1,0 +1,76 @@
+"""Entry point of the router: ``pdserve router ...``."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+from common.rpc.server import build_server
+from common.state.records import RequestStore
+from common.state.redis_client import connect
+from common.state.registry import WorkerRegistry
+from pdserve.v1 import generate_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.registry_view import RegistryView
+from services.router.servicer import ModelInfo, RouterServicer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "pdserve.v1.GenerateService"
+
+
+def load_model_info(config: RouterConfig) -> ModelInfo:
+    """Tokenizer, generation config and limits of the model, without its weights."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from common.engine.loader import ModelLoadError
+
+    if not config.model:
+        raise ValueError("the router needs --model (the model directory, for its tokenizer and config)")
+    try:
+        model_config = AutoConfig.from_pretrained(config.model, local_files_only=True).get_text_config()
+        tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read model directory {config.model}: {exc}") from exc
+    try:
+        generation_config = GenerationConfig.from_pretrained(config.model, local_files_only=True)
+    except OSError:
+        generation_config = None
+    max_len = int(getattr(model_config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+    if config.max_model_len is not None:
+        max_len = min(max_len, config.max_model_len)
+    return ModelInfo(tokenizer, generation_config, int(model_config.vocab_size), max_len)
+
+
+def run(
+    config: RouterConfig,
+    *,
+    stop_event: threading.Event | None = None,
+    on_ready: Callable[[str], None] | None = None,
+) -> int:
+    stop_event = stop_event or threading.Event()
+    model = load_model_info(config)
+    redis = connect(config.redis_url)
+    view = RegistryView(WorkerRegistry(redis, prefix=config.redis_prefix), refresh_s=config.registry_refresh_s)
+    view.start()
+    records = RequestStore(redis, prefix=config.redis_prefix, finished_ttl_s=config.record_ttl_s)
+    servicer = RouterServicer(model, view, records, config)
+    server, port, health = build_server(
+        lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME], host=config.host, port=config.port, max_workers=64,
+    )  # fmt: skip
+    server.start()
+    health.set_serving(True)
+    address = f"{config.host}:{port}"
+    log.info("router serving on %s (model %s)", address, config.model)
+    if on_ready is not None:
+        on_ready(address)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop_event.set())
+    stop_event.wait()
+    health.set_serving(False)
+    server.stop(grace=5.0).wait(10.0)
+    view.stop()
+    return 0

@@ -1,0 +1,61 @@
+"""The router's view of the live workers: re-read from Redis in the background, kept when Redis is away.
+
+When Redis is unreachable the router keeps serving from the last view it had (``degraded`` turns True and
+the view's age grows) instead of failing every request; a worker whose heartbeat lapsed disappears from the
+next successful read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from common.state.registry import WorkerInfo, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class RegistryView:
+    def __init__(self, registry: WorkerRegistry, *, refresh_s: float = 0.5) -> None:
+        self.registry = registry
+        self.refresh_s = refresh_s
+        self._workers: list[WorkerInfo] = []
+        self.updated_at_s = 0.0  # monotonic time of the last successful read
+        self.degraded = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="registry-view", daemon=True)
+
+    def start(self) -> RegistryView:
+        self.refresh()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+    def workers(self, role: str | None = None) -> list[WorkerInfo]:
+        return [w for w in self._workers if role is None or w.role == role]
+
+    def refresh(self) -> bool:
+        """Re-read the registry now; False (and the old view kept) if Redis did not answer."""
+        try:
+            workers = self.registry.list_workers()
+        except Exception as exc:  # noqa: BLE001 - any Redis failure: keep the last view
+            if not self.degraded:
+                n = len(self._workers)
+                log.warning("registry unreachable (%s); serving from the last view of %d workers", exc, n)
+            self.degraded = True
+            return False
+        if self.degraded:
+            log.info("registry reachable again: %d workers", len(workers))
+        self._workers = [w for w in workers if w.state == "ready"]
+        self.updated_at_s = time.monotonic()
+        self.degraded = False
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self.refresh()

@@ -1,0 +1,245 @@
+"""``pdserve.v1.GenerateService``: the router's public API.
+
+Life cycle of a request at the router (every stage has a deadline; it ends in a result or an error):
+
+1. validate and tokenize (INVALID_ARGUMENT naming the bad value);
+2. pick a decode worker and reserve KV blocks there under a lease (RESOURCE_EXHAUSTED → the next one);
+3. pick a prefill worker and ``Prefill`` with the decode worker as KV target: it streams the KV there and
+   answers with the first token, which goes to the client at once;
+4. ``Decode`` on the decode worker; relay its stream to the client;
+5. a hand-off that fails before any token reached the client (a worker died, a corrupt or late KV transfer)
+   is retried once on another worker pair, with both sides' blocks freed; otherwise the client gets the
+   failing status with a message that says what failed where.
+
+The request's record in Redis follows it (status, workers, tokens emitted) and expires after it finishes;
+a Redis outage never fails a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from common.rpc import convert
+from common.rpc.server import channel
+from common.state.records import RequestRecord, RequestStore
+from pdserve.v1 import generate_pb2, generate_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.policy import LoadTracker, pick_decode, pick_prefill
+from services.router.registry_view import RegistryView
+
+log = logging.getLogger(__name__)
+
+# Failures of a hand-off that another worker pair may not have.
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED,
+}  # fmt: skip
+
+
+@dataclass
+class ModelInfo:
+    """What the router knows of the model without loading its weights."""
+
+    tokenizer: object
+    generation_config: object
+    vocab_size: int
+    max_model_len: int
+
+
+class HandoffError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, worker_id: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.worker_id = worker_id
+
+
+class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, model: ModelInfo, view: RegistryView, records: RequestStore, config: RouterConfig) -> None:
+        self.model = model
+        self.view = view
+        self.records = records
+        self.config = config
+        self.tracker = LoadTracker()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address)
+        return ch
+
+    # -- validation ---------------------------------------------------------------------------------------
+
+    def _prompt_ids(self, request, context) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            ids = list(self.model.tokenizer(request.text)["input_ids"]) if request.text else []
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
+        else:
+            ids = []
+        if not ids:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        if len(ids) >= self.model.max_model_len:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt has {len(ids)} tokens; the model's context is {self.model.max_model_len} tokens",
+            )
+        bad = next((t for t in ids if t >= self.model.vocab_size), None)
+        if bad is not None:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt token id {bad} is outside the vocabulary [0, {self.model.vocab_size})",
+            )
+        return ids
+
+    # -- Generate -----------------------------------------------------------------------------------------
+
+    def Generate(self, request, context) -> Iterator[generate_pb2.GenerateResponse]:
+        prompt_ids = self._prompt_ids(request, context)
+        try:
+            sampling = convert.sampling_from_proto(request.sampling, self.model.generation_config,
+                                                   self.config.default_max_tokens)
+            sampling.validate(self.model.vocab_size)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = request.request_id or uuid.uuid4().hex
+        remaining = context.time_remaining()  # ~9e18 when the client set no deadline
+        deadline_s = time.monotonic() + min(remaining or self.config.request_timeout_s, self.config.request_timeout_s)
+        self._record_create(rid, len(prompt_ids))
+        excluded: set[str] = set()
+        last_error: HandoffError | None = None
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                yield from self._serve(rid, prompt_ids, request.sampling, deadline_s, excluded, context)
+                return
+            except HandoffError as exc:
+                last_error = exc
+                excluded.add(exc.worker_id)
+                log.warning("request %s attempt %d failed: %s", rid, attempt + 1, exc)
+                if exc.code not in _RETRYABLE or time.monotonic() >= deadline_s:
+                    break
+        self._record_finish(rid, "failed", error=str(last_error))
+        context.abort(last_error.code, str(last_error))
+
+    def _serve(self, rid, prompt_ids, sampling_msg, deadline_s, excluded, context):
+        """One attempt on one worker pair. Raises HandoffError before the first token reaches the client;
+        after that, a failure aborts the call (mid-stream migration is a later feature)."""
+        workers = self.view.workers()
+        decode = pick_decode(workers, self.tracker, excluded)
+        if decode is None:
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, "no live decode worker", "")
+        prefill = pick_prefill(workers, self.tracker, excluded)
+        if prefill is None:
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, "no live prefill worker", "")
+        d, p = decode.worker, prefill.worker
+        decode_stub = worker_pb2_grpc.DecodeServiceStub(self._channel(d.address))
+        prefill_stub = worker_pb2_grpc.PrefillServiceStub(self._channel(p.address))
+        self.tracker.acquire(d.id)
+        self.tracker.acquire(p.id)
+        prefill_released = False
+        try:
+            # 2. reserve on decode
+            try:
+                reserved = decode_stub.ReserveKv(
+                    worker_pb2.ReserveKvRequest(request_id=rid, num_tokens=len(prompt_ids),
+                                                lease_seconds=self.config.kv_lease_s),
+                    timeout=min(10.0, max(0.1, deadline_s - time.monotonic())),
+                )
+            except grpc.RpcError as exc:
+                raise HandoffError(exc.code(), f"decode worker {d.id} could not reserve KV: {exc.details()}", d.id)
+            self._record_update(rid, status="prefilling", decode_worker_id=d.id, prefill_worker_id=p.id,
+                                route_reason=f"{decode.reason}; {prefill.reason}")
+            # 3. prefill, KV to decode
+            try:
+                first = prefill_stub.Prefill(
+                    worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
+                                              kv_target_address=d.address, decode_identity=reserved.identity),
+                    timeout=max(0.1, deadline_s - time.monotonic()),
+                )
+            except grpc.RpcError as exc:
+                self._release(decode_stub, rid)
+                culprit = d.id if exc.code() in (grpc.StatusCode.DATA_LOSS,) else p.id
+                raise HandoffError(exc.code(), f"prefill on {p.id} (KV to {d.id}) failed: {exc.details()}", culprit)
+            finally:
+                self.tracker.release(p.id)
+                prefill_released = True
+            emitted = len(first.token_ids)
+            yield generate_pb2.GenerateResponse(
+                request_id=rid, token_ids=first.token_ids, text=first.text, logprobs=first.logprobs,
+                prefill_worker_id=p.id, decode_worker_id=d.id,
+            )
+            if first.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED:
+                self._release(decode_stub, rid)
+                yield self._last(rid, first.finish_reason, len(prompt_ids), emitted, p.id, d.id)
+                self._record_finish(rid, "finished", emitted, first.finish_reason)
+                return
+            # 4. decode and relay
+            self._record_update(rid, status="decoding", num_tokens_emitted=emitted)
+            call = decode_stub.Decode(
+                worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids,
+                                         output_token_ids=first.token_ids, sampling=sampling_msg,
+                                         generator_state=first.generator_state),
+                timeout=max(0.1, deadline_s - time.monotonic()),
+            )
+            context.add_callback(call.cancel)  # the client went away: stop decoding (frees the blocks)
+            finish = types_pb2.FINISH_REASON_UNSPECIFIED
+            try:
+                for piece in call:
+                    emitted += len(piece.token_ids)
+                    finish = piece.finish_reason
+                    if piece.token_ids or piece.text:
+                        yield generate_pb2.GenerateResponse(request_id=rid, token_ids=piece.token_ids,
+                                                            text=piece.text, logprobs=piece.logprobs)
+            except grpc.RpcError as exc:
+                self._record_finish(rid, "failed", emitted, error=exc.details() or "")
+                context.abort(exc.code(), f"decode worker {d.id} failed mid-stream: {exc.details()}")
+            yield self._last(rid, finish, len(prompt_ids), emitted, p.id, d.id)
+            self._record_finish(rid, "finished", emitted, finish)
+        finally:
+            self.tracker.release(d.id)
+            if not prefill_released:
+                self.tracker.release(p.id)
+
+    @staticmethod
+    def _last(rid, finish, num_prompt, num_emitted, prefill_id, decode_id) -> generate_pb2.GenerateResponse:
+        return generate_pb2.GenerateResponse(
+            request_id=rid, finish_reason=finish,
+            usage=types_pb2.Usage(prompt_tokens=num_prompt, completion_tokens=num_emitted),
+            prefill_worker_id=prefill_id, decode_worker_id=decode_id,
+        )  # fmt: skip
+
+    def _release(self, decode_stub, rid: str) -> None:
+        try:
+            decode_stub.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid), timeout=5.0)
+        except grpc.RpcError as exc:  # the lease frees the blocks anyway
+            log.warning("could not release KV of %s: %s", rid, exc.details())
+
+    # -- request records (best effort: Redis trouble never fails a request) -------------------------------
+
+    def _record_create(self, rid: str, num_prompt: int) -> None:
+        self._best_effort(self.records.create, RequestRecord(request_id=rid, status="queued",
+                                                             num_prompt_tokens=num_prompt))
+
+    def _record_update(self, rid: str, **fields) -> None:
+        self._best_effort(self.records.update, rid, **fields)
+
+    def _record_finish(self, rid: str, status: str, emitted: int = 0, finish=None, error: str = "") -> None:
+        if emitted:
+            self._best_effort(self.records.update, rid, num_tokens_emitted=emitted)
+        reason = convert.finish_reason_from_proto(finish) if finish is not None else None
+        self._best_effort(self.records.finish, rid, status, finish_reason=reason.value if reason else "", error=error)
+
+    @staticmethod
+    def _best_effort(fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            log.debug("request record not written: %s", exc)

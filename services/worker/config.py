@@ -1,0 +1,38 @@
+"""Settings of a prefill or decode worker (flags, ``PDSERVE_*`` environment variables, ``--config`` YAML)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class WorkerConfig:
+    model: str = field(default="", metadata=_help("local Hugging Face model directory (required)"))
+    dtype: str = field(default="auto", metadata=_help("float32 | bfloat16 | float16 | auto"))
+    device: str = field(default="cpu", metadata=_help("cpu | cuda | cuda:N"))
+    host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
+    port: int = field(default=0, metadata=_help("gRPC port (0: any free port)"))
+    advertise_host: str = field(default="", metadata=_help("host others reach this worker at (default: --host)"))
+    worker_id: str = field(default="", metadata=_help("registry id (default: ROLE-HOSTNAME-PID)"))
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis holding the registry"))
+    redis_prefix: str = field(default="pdserve:", metadata=_help("prefix of every Redis key"))
+    heartbeat_ttl_s: float = field(default=10.0, metadata=_help("registry entry lifetime without heartbeat"))
+    kv_cache_memory: float | None = field(default=None, metadata=_help("KV bytes (> 1) or free-memory fraction"))
+    block_size: int = field(default=16, metadata=_help("tokens per KV block"))
+    max_num_seqs: int = field(default=64, metadata=_help("most requests in the running batch"))
+    max_model_len: int | None = field(default=None, metadata=_help("context length (default: the model's)"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget of one engine step"))
+    prefill_chunk_size: int | None = field(default=None, metadata=_help("most prompt tokens per request per step"))
+    threads: int | None = field(default=None, metadata=_help("torch CPU threads"))
+    default_max_tokens: int = field(default=64, metadata=_help("max_tokens when a request gives none"))
+    kv_lease_s: float = field(default=30.0, metadata=_help("decode: longest KV reservation lease"))
+    kv_transfer_timeout_s: float = field(default=30.0, metadata=_help("prefill: longest wait for KV acknowledgement"))
+    kv_chunk_bytes: int = field(default=4 << 20, metadata=_help("prefill: largest KV chunk on the wire"))
+    drain_timeout_s: float = field(default=30.0, metadata=_help("on SIGTERM, how long in-flight requests may finish"))
+    test_corrupt_kv_chunk: int | None = field(
+        default=None, metadata=_help("TEST ONLY: prefill flips a byte of this KV chunk (seq) of every request")
+    )

@@ -1,0 +1,147 @@
+"""Runs one prefill or decode worker: model → engine loop → gRPC server → registry → serve → drain.
+
+:func:`serve_worker` is the whole life of a worker process:
+
+1. load the model and build the engine (its loop thread owns it from then on);
+2. build the role's servicer, the gRPC server (health NOT_SERVING until registered, reflection);
+3. register in Redis and heartbeat every second with the engine's load (a Redis outage is survived: the
+   heartbeater re-registers when it returns);
+4. serve; health turns SERVING;
+5. on SIGTERM/SIGINT: health NOT_SERVING, deregister, stop taking new work, let in-flight requests finish
+   (up to ``drain_timeout_s``), stop the engine loop, exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.engine_loop import EngineLoop
+from common.engine.identity import ModelIdentity
+from common.engine.loader import load_model
+from common.rpc.server import build_server
+from common.state.redis_client import connect, redact_url
+from common.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
+from pdserve import __version__
+from services.worker.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerParts:
+    """What a role contributes: its servicer registration, service names and a periodic tick."""
+
+    add_to_server: Callable[[grpc.Server], None]
+    service_names: list[str]
+    tick: Callable[[], None] | None = None  # called about every 0.2 s (e.g. lease expiry)
+    num_inflight: Callable[[], int] | None = None  # requests still being served (for the drain)
+
+
+def build_engine(config: WorkerConfig) -> LLMEngine:
+    if not config.model:
+        raise ValueError("a worker needs --model (a local model directory)")
+    loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+    return LLMEngine(
+        loaded,
+        EngineConfig(
+            block_size=config.block_size,
+            kv_cache_memory=config.kv_cache_memory,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            prefill_chunk_size=config.prefill_chunk_size,
+            num_threads=config.threads,
+        ),
+    )
+
+
+def serve_worker(
+    role: str,
+    config: WorkerConfig,
+    make_parts: Callable[[EngineLoop, ModelIdentity], WorkerParts],
+    *,
+    stop_event: threading.Event | None = None,
+    on_ready: Callable[[str], None] | None = None,
+) -> int:
+    """Run a worker until SIGTERM/SIGINT (or ``stop_event``); returns the exit status (0 after a clean drain).
+
+    ``on_ready(address)`` is called once the worker serves and is registered (tests use it).
+    """
+    stop_event = stop_event or threading.Event()
+    engine = build_engine(config)
+    identity = ModelIdentity.of_engine(engine)
+    loop = EngineLoop(engine, name=f"{role}-engine").start()
+    parts = make_parts(loop, identity)
+    server, port, health = build_server(parts.add_to_server, parts.service_names, host=config.host, port=config.port)
+    address = f"{config.advertise_host or config.host}:{port}"
+    worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+    started_at = time.time()
+
+    def info() -> WorkerInfo:
+        stats = loop.stats
+        return WorkerInfo(
+            id=worker_id, role=role, address=address, host=socket.gethostname(), pid=os.getpid(),
+            model=identity.model_fingerprint, version=__version__,
+            num_requests_running=stats.num_requests_running, num_requests_waiting=stats.num_requests_waiting,
+            kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
+            started_at=started_at, updated_at=time.time(),
+            state="draining" if stop_event.is_set() else "ready",
+        )  # fmt: skip
+
+    registry = WorkerRegistry(connect(config.redis_url), prefix=config.redis_prefix, ttl_s=config.heartbeat_ttl_s)
+    heartbeater = Heartbeater(registry, info, interval_s=min(1.0, config.heartbeat_ttl_s / 3))
+    server.start()
+    try:
+        registry.register(info())
+    except Exception as exc:  # noqa: BLE001 - Redis down at start: the heartbeater keeps trying
+        url = redact_url(config.redis_url)
+        log.warning("could not register in Redis at %s (%s); retrying in the background", url, exc)
+    heartbeater.start()
+    health.set_serving(True)
+    log.info("%s worker %s serving on %s (model %s)", role, worker_id, address, identity.model_fingerprint[:12])
+    if on_ready is not None:
+        on_ready(address)
+
+    _install_signal_handlers(stop_event)
+    while not stop_event.wait(0.2):
+        if parts.tick is not None:
+            parts.tick()
+
+    # -- drain --------------------------------------------------------------------------------------------
+    log.info("%s worker %s draining", role, worker_id)
+    health.set_serving(False)
+    heartbeater.stop()
+    try:
+        registry.deregister(worker_id)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not deregister %s: %s", worker_id, exc)
+    deadline = time.monotonic() + config.drain_timeout_s
+    def busy() -> bool:
+        stats = loop.stats
+        inflight = parts.num_inflight() if parts.num_inflight else 0
+        return bool(stats.num_requests_running or stats.num_requests_waiting or inflight)
+
+    while time.monotonic() < deadline and busy():
+        time.sleep(0.05)
+    server.stop(grace=1.0).wait(5.0)
+    loop.stop()
+    log.info("%s worker %s stopped", role, worker_id)
+    return 0
+
+
+def _install_signal_handlers(stop_event: threading.Event) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_event.set())
