@@ -13,10 +13,14 @@ import logging
 import sys
 
 from pdserve import __version__
+from pdserve.commands import generate as generate_cmd
 from pdserve.commands import model as model_cmd
 from pdserve.commands import run as run_cmd
+from pdserve.commands import serve as serve_cmd
+from pdserve.commands import status as status_cmd
+from pdserve.commands import up as up_cmd
 
-_COMMANDS = (model_cmd, run_cmd)
+_COMMANDS = (up_cmd, serve_cmd, generate_cmd, status_cmd, run_cmd, model_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

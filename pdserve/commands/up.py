@@ -1,0 +1,107 @@
+"""``pdserve up``: the whole cluster as local processes: Redis, prefill and decode workers, the router.
+
+    pdserve up [--model DIR] [--prefill N] [--decode M] [--redis-url URL] [--port P]
+
+Without ``--model`` it builds (once) and serves the embedded tiny model. Without ``--redis-url`` it starts
+a ``redis-server`` on a free port. Every service gets a free port (the router ``--port`` if given). When
+every service answers its gRPC health check it prints one line on stdout:
+
+    pdserve ready: ROUTER_ADDRESS prefill=N decode=M redis=URL logs=DIR
+
+Ctrl-C or SIGTERM stops everything it started (router, workers, Redis, in that order) and exits 0; no
+process is left behind, even if ``up`` itself is killed (children get SIGTERM when their parent dies). A
+worker that dies is reported on stderr; the rest keep serving (the registry drops it within its TTL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")) / "models" / "tiny-llama"
+READY_TIMEOUT_S = 300.0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("up", help="start a whole local cluster (Redis, router, prefill and decode workers)")
+    p.add_argument("--model", default=None, help=f"model directory (default: the tiny model in {DEFAULT_MODEL_DIR})")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--port", type=int, default=None, help="router gRPC port (default: a free one)")
+    p.add_argument("--log-dir", default=None, help="where each service writes its log (default: a temp dir)")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for every worker, e.g. --worker-arg=--kv-cache-memory=1e9 (repeatable)")
+    p.add_argument("--prefill-arg", action="append", default=[], metavar="ARG", help="extra prefill argument")
+    p.add_argument("--decode-arg", action="append", default=[], metavar="ARG", help="extra decode argument")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG", help="extra router argument")
+    p.set_defaults(func=up)
+
+
+def up(args: argparse.Namespace) -> int:
+    from common.cluster.net import free_port, wait_for_grpc_health
+    from common.cluster.supervisor import Supervisor
+
+    if args.prefill < 1 or args.decode < 1:
+        raise ValueError(f"a cluster needs >= 1 prefill and >= 1 decode worker, got {args.prefill}, {args.decode}")
+    model = args.model or str(_tiny_model())
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    py = [sys.executable, "-m", "pdserve", "--log-level", "INFO"]
+    with Supervisor(grace_s=30.0) as sup:
+        redis_url = args.redis_url
+        if redis_url is None:
+            port = free_port()
+            sup.start_redis(port, log_dir / "redis")
+            redis_url = f"redis://127.0.0.1:{port}/0"
+        endpoints: dict[str, str] = {}
+        pools = (("decode", args.decode, args.decode_arg), ("prefill", args.prefill, args.prefill_arg))
+        for role, count, extra in pools:
+            for i in range(count):
+                name, port = f"{role}-{i}", free_port()
+                argv = [*py, role, "--model", model, "--port", str(port), "--redis-url", redis_url,
+                        "--worker-id", name, *args.worker_arg, *extra]
+                sup.spawn(name, argv, log_path=log_dir / f"{name}.log")
+                endpoints[name] = f"127.0.0.1:{port}"
+        router_port = args.port or free_port()
+        sup.spawn("router", [*py, "router", "--model", model, "--port", str(router_port), "--redis-url", redis_url,
+                             *args.router_arg], log_path=log_dir / "router.log")
+        endpoints["router"] = f"127.0.0.1:{router_port}"
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for name, address in endpoints.items():
+            while not wait_for_grpc_health(address, timeout_s=1.0):
+                exited = sup.first_exited()
+                if exited is not None or stop.is_set() or time.monotonic() > deadline:
+                    why = "stopped" if stop.is_set() else "timeout"
+                    if exited:
+                        why = f"{exited[0]} exited with {exited[1]}"
+                    report = sup[exited[0]].exit_report() if exited else ""
+                    print(f"pdserve up: {name} did not become ready ({why}) {report}", file=sys.stderr)
+                    return 1
+        print(f"pdserve ready: {endpoints['router']} prefill={args.prefill} decode={args.decode} "
+              f"redis={redis_url} logs={log_dir}", flush=True)
+        reported: set[str] = set()
+        while not stop.wait(0.5):
+            for proc in sup.processes:
+                if proc.name not in reported and proc.popen.poll() is not None:
+                    reported.add(proc.name)
+                    print(f"pdserve up: {proc.exit_report()}", file=sys.stderr, flush=True)
+    return 0
+
+
+def _tiny_model() -> Path:
+    if not (DEFAULT_MODEL_DIR / "config.json").exists():
+        from common.models.tiny import build_tiny
+
+        print(f"pdserve up: building the tiny model in {DEFAULT_MODEL_DIR}", file=sys.stderr)
+        build_tiny("llama", DEFAULT_MODEL_DIR)
+    return DEFAULT_MODEL_DIR
