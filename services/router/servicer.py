@@ -121,6 +121,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 yield from self._serve(rid, prompt_ids, request.sampling, deadline_s, excluded, context)
                 return
             except HandoffError as exc:
+                if not exc.worker_id and last_error is not None:  # no other pair: report the real failure
+                    last_error = HandoffError(last_error.code, f"{last_error} (no other worker pair to retry on)",
+                                              last_error.worker_id)
+                    break
                 last_error = exc
                 excluded.add(exc.worker_id)
                 log.warning("request %s attempt %d failed: %s", rid, attempt + 1, exc)
@@ -166,8 +170,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 )
             except grpc.RpcError as exc:
                 self._release(decode_stub, rid)
-                culprit = d.id if exc.code() in (grpc.StatusCode.DATA_LOSS,) else p.id
-                raise HandoffError(exc.code(), f"prefill on {p.id} (KV to {d.id}) failed: {exc.details()}", culprit)
+                # The retry avoids this prefill worker (a corrupt or late transfer starts at the sender as
+                # often as anywhere); the decode worker stays eligible, it may be the only one.
+                raise HandoffError(exc.code(), f"prefill on {p.id} (KV to {d.id}) failed: {exc.details()}", p.id)
             finally:
                 self.tracker.release(p.id)
                 prefill_released = True

@@ -1,0 +1,68 @@
+"""Faults at the prefill→decode hand-off, in an in-process cluster: never a hang, never a leak."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from common.state.redis_client import connect
+from common.state.registry import WorkerRegistry
+from pdserve.client import Client
+from tests.conftest import hf_greedy
+from tests.services.inprocess import inprocess_cluster
+
+
+def wait_all_blocks_free(redis_url: str, timeout_s: float = 5.0) -> list:
+    registry = WorkerRegistry(connect(redis_url))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = registry.list_workers()
+        if all(w.kv_blocks_used == 0 for w in workers) or time.monotonic() > deadline:
+            return workers
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def test_corrupt_chunk_is_caught_and_the_request_retried_on_another_pair(model_dir, hf_reference):
+    prefill = [{"worker_id": "prefill-bad", "test_corrupt_kv_chunk": 1}, {"worker_id": "prefill-good"}]
+    with inprocess_cluster(model_dir, prefill=prefill, decode=[{"worker_id": "decode-0"}]) as cluster:
+        with Client(cluster.router, timeout_s=60) as client:
+            prompts = [[5 + i, 6, 7, 8, 9] * (3 + i) for i in range(4)]
+            results = [client.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True) for p in prompts]
+        for p, r in zip(prompts, results):
+            assert r.token_ids == hf_greedy(hf_reference(model_dir), p, 8)
+            assert r.prefill_worker_id == "prefill-good" and r.finish_reason == "length"
+        workers = wait_all_blocks_free(cluster.redis_url)
+        assert {w.id for w in workers} == {"prefill-bad", "prefill-good", "decode-0"}
+        assert all(w.kv_blocks_used == 0 for w in workers), [(w.id, w.kv_blocks_used) for w in workers]
+
+
+def test_corrupt_chunk_without_a_healthy_pair_fails_clearly(model_dir):
+    prefill = [{"worker_id": "prefill-bad", "test_corrupt_kv_chunk": 0}]
+    with inprocess_cluster(model_dir, prefill=prefill, decode=[{"worker_id": "decode-0"}]) as cluster:
+        with Client(cluster.router, timeout_s=60) as client:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate([5, 6, 7, 8] * 10, max_tokens=8, temperature=0.0)
+            assert time.monotonic() - t0 < 30
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert "checksum" in err.value.details().lower() and "prefill-bad" in err.value.details()
+        workers = wait_all_blocks_free(cluster.redis_url)
+        assert all(w.kv_blocks_used == 0 for w in workers), [(w.id, w.kv_blocks_used) for w in workers]
+
+
+def test_workers_that_disagree_on_the_model_refuse_to_move_kv(model_dir, tiny_model_dir):
+    other = tiny_model_dir("llama", seed=1)
+    with inprocess_cluster(model_dir, prefill=[{"worker_id": "prefill-0", "model": other}],
+                           decode=[{"worker_id": "decode-0"}], router={"max_retries": 0}) as cluster:
+        with Client(cluster.router, timeout_s=60) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate([5, 6, 7], max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "model_fingerprint" in err.value.details()
+        assert all(w.kv_blocks_used == 0 for w in wait_all_blocks_free(cluster.redis_url))
