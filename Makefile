@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test bench clean
+.PHONY: setup run run-engine test bench bench-disagg clean
 
 # torch is pinned to the CPU build that lies on these machines' disk; see README for CUDA machines.
 $(BIN)/.installed: pyproject.toml
@@ -22,7 +22,12 @@ setup: $(BIN)/.installed
 $(TINY)/config.json: $(BIN)/.installed
 	$(BIN)/pdserve model build-tiny --arch llama --out $(TINY)
 
+# The whole cluster (Redis, router, 1 prefill + 1 decode worker) as local processes; one streamed generation.
 run: $(TINY)/config.json
+	scripts/demo.sh $(TINY) "$(PROMPT)"
+
+# One in-process engine, no cluster.
+run-engine: $(TINY)/config.json
 	$(BIN)/pdserve run --model $(TINY) --prompt "$(PROMPT)" --max-tokens 32
 
 test: $(BIN)/.installed
@@ -31,6 +36,9 @@ test: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/engine_throughput.py
+
+bench-disagg: $(BIN)/.installed
+	$(BIN)/python benchmarks/disagg_overhead.py
 
 clean:
 	rm -rf $(VENV) build

@@ -137,6 +137,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         """One attempt on one worker pair. Raises HandoffError before the first token reaches the client;
         after that, a failure aborts the call (mid-stream migration is a later feature)."""
         workers = self.view.workers()
+        if not pick_decode(workers, self.tracker, excluded) or not pick_prefill(workers, self.tracker, excluded):
+            self.view.refresh()  # the view may predate a worker that just registered
+            workers = self.view.workers()
         decode = pick_decode(workers, self.tracker, excluded)
         if decode is None:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, "no live decode worker", "")
