@@ -1,0 +1,251 @@
+"""What disaggregation costs: the cluster (1 prefill + 1 decode process) against one process running the
+engine alone, measured side by side in one run, and the KV transports against a bare gRPC byte stream.
+
+    python benchmarks/disagg_overhead.py [--model DIR] [--json]
+
+Model: the ~60M Llama (built with --size 60m if missing; context 4096), fp32. For prompts of 128, 512 and
+2048 tokens (greedy, 32 new tokens, EOS ignored, each measured 3 times, median):
+  - TTFT and decode tokens/s through the router (user-facing: includes routing, reservation, KV transfer)
+    against the engine alone in this process;
+  - KV bytes moved, transfer time (first chunk queued → decode's acknowledgement), prefill compute time
+    and the *exposed* transfer time (what the transfer adds after prefill compute: the rest overlapped it).
+Throughput: KV over gRPC (PushKv of large reservations, 4 MiB chunks) against a bare gRPC byte stream of
+4 MiB messages between two processes on loopback; KV over shared memory (common.kv_transfer.shm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from common.engine.config import EngineConfig  # noqa: E402
+from common.engine.engine import LLMEngine  # noqa: E402
+from common.engine.loader import load_model  # noqa: E402
+from common.engine.sampling_params import SamplingParams  # noqa: E402
+from common.kv_transfer.grpc_transport import GrpcKVSender  # noqa: E402
+from common.rpc.server import channel  # noqa: E402
+from common.state.redis_client import connect  # noqa: E402
+from common.state.registry import WorkerRegistry  # noqa: E402
+from pdserve.client import Client  # noqa: E402
+from pdserve.v1 import types_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+
+PROMPT_LENS = (128, 512, 2048)
+NEW_TOKENS = 32
+REPEATS = 3
+MiB = 1 << 20
+
+
+def prompts_of(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 4000, (n,), generator=g).tolist()
+
+
+# -- the engine alone ------------------------------------------------------------------------------------------
+
+
+def single_process(model: str, threads: int) -> dict[int, dict]:
+    engine = LLMEngine(load_model(model), EngineConfig(max_num_seqs=8, max_model_len=4096, num_threads=threads))
+    sp = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.generate([prompts_of(64, 0)], sp)  # warm-up
+    out = {}
+    for n in PROMPT_LENS:
+        ttft, tps = [], []
+        for r in range(REPEATS):
+            t0 = time.perf_counter()
+            engine.add_request(prompts_of(n, r), sp)
+            first = None
+            while engine.has_unfinished_requests():
+                outs = engine.step()
+                if outs and first is None:
+                    first = time.perf_counter()
+            end = time.perf_counter()
+            ttft.append(first - t0)
+            tps.append((NEW_TOKENS - 1) / (end - first))
+        out[n] = {"ttft_s": statistics.median(ttft), "decode_tok_s": statistics.median(tps)}
+    return out
+
+
+# -- the cluster -----------------------------------------------------------------------------------------------
+
+
+def start_cluster(model: str, threads: int) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "up", "--model", model, "--prefill", "1", "--decode", "1",
+         f"--worker-arg=--threads={threads}", "--worker-arg=--max-model-len=4096",
+         "--worker-arg=--kv-cache-memory=2e9", "--worker-arg=--max-num-seqs=8"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    line = proc.stdout.readline()
+    if not line.startswith("pdserve ready: "):
+        proc.kill()
+        raise RuntimeError(f"pdserve up failed: {line!r}")
+    fields = line.split()
+    info = {"router": fields[2], **dict(f.split("=", 1) for f in fields[3:])}
+    workers = WorkerRegistry(connect(info["redis"])).list_workers()
+    info.update({w.role: w.address for w in workers})
+    return proc, info
+
+
+def through_router(router: str) -> dict[int, dict]:
+    out = {}
+    with Client(router, timeout_s=300) as client:
+        client.generate(prompts_of(64, 0), max_tokens=4, temperature=0.0, ignore_eos=True)  # warm-up
+        for n in PROMPT_LENS:
+            ttft, tps = [], []
+            for r in range(REPEATS):
+                t0 = time.perf_counter()
+                first = None
+                count = 0
+                for piece in client.stream(prompts_of(n, r), max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True):
+                    if piece.token_ids and first is None:
+                        first = time.perf_counter()
+                    count += len(piece.token_ids)
+                end = time.perf_counter()
+                ttft.append(first - t0)
+                tps.append((count - 1) / (end - first))
+            out[n] = {"ttft_s": statistics.median(ttft), "decode_tok_s": statistics.median(tps)}
+    return out
+
+
+def handoff_breakdown(info: dict) -> dict[int, dict]:
+    """Drive the hand-off by hand (as the router does) to read the prefill worker's transfer figures."""
+    decode = worker_pb2_grpc.DecodeServiceStub(channel(info["decode"]))
+    prefill = worker_pb2_grpc.PrefillServiceStub(channel(info["prefill"]))
+    out = {}
+    for n in PROMPT_LENS:
+        rows = []
+        for r in range(REPEATS):
+            rid = uuid.uuid4().hex
+            sampling = types_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+            reserved = decode.ReserveKv(worker_pb2.ReserveKvRequest(request_id=rid, num_tokens=n, lease_seconds=30))
+            t0 = time.perf_counter()
+            resp = prefill.Prefill(worker_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompts_of(n, 10 + r), sampling=sampling,
+                kv_target_address=info["decode"], decode_identity=reserved.identity))  # fmt: skip
+            rpc_s = time.perf_counter() - t0
+            decode.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid))
+            rows.append({"kv_bytes": resp.kv_bytes, "kv_transfer_s": resp.kv_transfer_seconds,
+                         "prefill_s": resp.prefill_seconds, "exposed_s": max(0.0, rpc_s - resp.prefill_seconds)})
+        out[n] = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+        out[n]["overlapped_share"] = 1 - out[n]["exposed_s"] / max(out[n]["kv_transfer_s"], 1e-9)
+    return out
+
+
+def kv_push_throughput(info: dict, spec_layers: int, total_bytes: int) -> float:
+    """GB/s of KV pushed over gRPC into reservations on the decode worker (no compute in the way)."""
+    decode = worker_pb2_grpc.DecodeServiceStub(channel(info["decode"]))
+    ch = channel(info["decode"])
+    tokens = 4000
+    blocks = tokens // 16
+    per_layer = torch.randn(blocks, 16, 4, 64)  # the 60M model's block shape: [bs, kv heads, head dim]
+    pushed = 0
+    t0 = time.perf_counter()
+    while pushed < total_bytes:
+        rid = uuid.uuid4().hex
+        decode.ReserveKv(worker_pb2.ReserveKvRequest(request_id=rid, num_tokens=tokens, lease_seconds=60))
+        sender = GrpcKVSender(ch, rid, spec_layers)
+        for layer in range(spec_layers):
+            sender.send_layer(layer, per_layer, per_layer)
+        result = sender.finish(60)
+        assert result.ok, result.error
+        pushed += result.num_bytes
+        decode.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid))
+    return pushed / (time.perf_counter() - t0) / 1e9
+
+
+_BARE_SERVER = r"""
+import sys, grpc
+from concurrent import futures
+def sink(it, ctx):
+    n = 0
+    for m in it: n += len(m)
+    return n.to_bytes(8, "little")
+h = grpc.method_handlers_generic_handler("bench.Bytes", {"Push": grpc.stream_unary_rpc_method_handler(sink)})
+s = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 << 20)])
+s.add_generic_rpc_handlers((h,))
+port = s.add_insecure_port("127.0.0.1:0"); s.start(); print(port, flush=True); s.wait_for_termination()
+"""
+
+
+def bare_grpc_throughput(total_bytes: int, msg_bytes: int = 4 * MiB) -> float:
+    proc = subprocess.Popen([sys.executable, "-c", _BARE_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
+        push = ch.stream_unary("/bench.Bytes/Push")
+        payload = os.urandom(msg_bytes)
+        push(iter([payload] * 4))  # warm-up
+        t0 = time.perf_counter()
+        push(iter([payload] * (total_bytes // msg_bytes)))
+        return total_bytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        proc.kill()
+
+
+def shm_throughput() -> float | None:
+    proc = subprocess.run([sys.executable, "-m", "common.kv_transfer.shm", "--bench", "--json"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    try:
+        return float(json.loads(proc.stdout.strip().splitlines()[-1])["gb_per_s"])
+    except (ValueError, KeyError, IndexError):
+        print(f"shm benchmark gave no figure: {proc.stdout[-500:]} {proc.stderr[-500:]}", file=sys.stderr)
+        return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(REPO / "build" / "llama-60m"))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (2 cores: 1 each)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if not Path(args.model, "config.json").exists():
+        from common.models.tiny import build_tiny
+
+        build_tiny("llama", args.model, size="60m")
+    torch.set_num_threads(args.threads)
+    single = single_process(args.model, args.threads)
+    proc, info = start_cluster(args.model, args.threads)
+    try:
+        cluster = through_router(info["router"])
+        handoff = handoff_breakdown(info)
+        kv_grpc = kv_push_throughput(info, 8, 512 * MiB)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    bare = bare_grpc_throughput(512 * MiB)
+    shm = shm_throughput()
+    report = {"single": single, "cluster": cluster, "handoff": handoff, "kv_grpc_gb_s": kv_grpc,
+              "bare_grpc_gb_s": bare, "kv_shm_gb_s": shm}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{'prompt':>6} | {'TTFT single':>11} {'TTFT cluster':>12} {'ratio':>6} | {'tok/s single':>12} "
+          f"{'tok/s cluster':>13} | {'KV MiB':>7} {'xfer ms':>8} {'prefill ms':>10} {'exposed ms':>10} {'overlap':>7}")
+    for n in PROMPT_LENS:
+        s, c, h = single[n], cluster[n], handoff[n]
+        print(f"{n:>6} | {s['ttft_s'] * 1e3:9.1f}ms {c['ttft_s'] * 1e3:10.1f}ms {c['ttft_s'] / s['ttft_s']:5.2f}x | "
+              f"{s['decode_tok_s']:12.1f} {c['decode_tok_s']:13.1f} | {h['kv_bytes'] / MiB:7.1f} "
+              f"{h['kv_transfer_s'] * 1e3:8.1f} {h['prefill_s'] * 1e3:10.1f} {h['exposed_s'] * 1e3:10.1f} "
+              f"{h['overlapped_share']:6.0%}")
+    print(f"KV over gRPC {kv_grpc:.2f} GB/s vs bare gRPC stream {bare:.2f} GB/s: {kv_grpc / bare:.0%}")
+    print(f"KV over shared memory: {shm if shm is None else f'{shm:.2f} GB/s'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
