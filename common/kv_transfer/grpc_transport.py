@@ -31,6 +31,27 @@ _END = object()
 _PUSH_KV_METHOD = "/pdserve.v1.DecodeService/PushKv"
 
 
+def chunk_of_push_kv_request(message: bytes) -> memoryview | bytes:
+    """The ``chunk`` of a serialized PushKvRequest without copying it (the decode side's deserializer).
+
+    A message that is not exactly field 1 (written by another implementation, or a later proto version with
+    more fields) goes through protobuf instead.
+    """
+    view = memoryview(message)
+    if len(view) > 1 and view[0] == 0x0A:
+        length, shift, pos = 0, 0, 1
+        while pos < len(view) and pos < 11:
+            byte = view[pos]
+            length |= (byte & 0x7F) << shift
+            pos += 1
+            if not byte & 0x80:
+                if pos + length == len(view):
+                    return view[pos:]
+                break
+            shift += 7
+    return worker_pb2.PushKvRequest.FromString(message).chunk
+
+
 def _field1_prefix(length: int) -> bytes:
     """Protobuf key and length of ``bytes chunk = 1``: tag 0x0A then the length as a varint."""
     out = bytearray(b"\x0a")

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from common.engine.engine_loop import EngineLoop
 from common.engine.identity import ModelIdentity
-from pdserve.v1 import worker_pb2_grpc
-from services.decode.servicer import DecodeServicer
+from services.decode.servicer import SERVICE_NAME, DecodeServicer, add_to_server
 from services.worker.config import WorkerConfig
 from services.worker.runtime import WorkerParts, serve_worker
-
-SERVICE_NAME = "pdserve.v1.DecodeService"
 
 
 def make_parts(config: WorkerConfig):
@@ -22,7 +19,7 @@ def make_parts(config: WorkerConfig):
             max_lease_s=config.kv_lease_s,
         )
         return WorkerParts(
-            add_to_server=lambda server: worker_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server),
+            add_to_server=lambda server: add_to_server(servicer, server),
             service_names=[SERVICE_NAME],
             tick=servicer.expire_leases,
             num_inflight=lambda: servicer.num_reservations,

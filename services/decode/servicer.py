@@ -24,11 +24,13 @@ import grpc
 from common.engine.block_pool import NoFreeBlocksError
 from common.engine.engine_loop import EngineLoop, StreamClosed
 from common.engine.identity import ModelIdentity
+from common.kv_transfer.grpc_transport import chunk_of_push_kv_request
 from common.kv_transfer.wire import TransferAssembler, WireFormatError, decode_header
 from common.rpc import convert
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+SERVICE_NAME = "pdserve.v1.DecodeService"
 
 
 @dataclass(eq=False)
@@ -108,9 +110,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     def PushKv(self, request_iterator, context):
         num_chunks = num_bytes = 0
         touched: set[str] = set()
-        for msg in request_iterator:
+        for chunk in request_iterator:  # chunk bytes (see add_to_server: no protobuf copy)
             try:
-                header = decode_header(msg.chunk)
+                header = decode_header(chunk)
             except WireFormatError as exc:
                 context.abort(grpc.StatusCode.DATA_LOSS, f"unreadable KV chunk: {exc}")
             reservation = self._reservations.get(header.request_id)
@@ -120,12 +122,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                     f"no KV reservation for request {header.request_id} (expired, released or never made)",
                 )
             try:
-                reservation.assembler.feed(msg.chunk)
+                reservation.assembler.feed(chunk)
             except ValueError as exc:  # WireFormatError, ChecksumError, ChunkRejectedError
                 self.release(header.request_id)
                 context.abort(grpc.StatusCode.DATA_LOSS, f"bad KV chunk for request {header.request_id}: {exc}")
             num_chunks += 1
-            num_bytes += len(msg.chunk)
+            num_bytes += len(chunk)
             touched.add(header.request_id)
         self.num_kv_bytes_received += num_bytes
         complete = all(
@@ -219,3 +221,31 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     @property
     def num_reservations(self) -> int:
         return len(self._reservations)
+
+
+def add_to_server(servicer: DecodeServicer, server: grpc.Server) -> None:
+    """Register the DecodeService like the generated ``add_DecodeServiceServicer_to_server``, except that
+    PushKv hands the servicer each chunk as a view of the received message (no protobuf copy)."""
+    handlers = {
+        "ReserveKv": grpc.unary_unary_rpc_method_handler(
+            servicer.ReserveKv,
+            request_deserializer=worker_pb2.ReserveKvRequest.FromString,
+            response_serializer=worker_pb2.ReserveKvResponse.SerializeToString,
+        ),
+        "PushKv": grpc.stream_unary_rpc_method_handler(
+            servicer.PushKv,
+            request_deserializer=chunk_of_push_kv_request,
+            response_serializer=worker_pb2.PushKvResponse.SerializeToString,
+        ),
+        "Decode": grpc.unary_stream_rpc_method_handler(
+            servicer.Decode,
+            request_deserializer=worker_pb2.DecodeRequest.FromString,
+            response_serializer=worker_pb2.DecodeResponse.SerializeToString,
+        ),
+        "ReleaseKv": grpc.unary_unary_rpc_method_handler(
+            servicer.ReleaseKv,
+            request_deserializer=worker_pb2.ReleaseKvRequest.FromString,
+            response_serializer=worker_pb2.ReleaseKvResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
