@@ -146,7 +146,7 @@ def handoff_breakdown(info: dict) -> dict[int, dict]:
     return out
 
 
-def kv_push_throughput(info: dict, spec_layers: int, total_bytes: int) -> float:
+def kv_push_throughput(info: dict, spec_layers: int, total_bytes: int, chunk_bytes: int = 4 * MiB) -> float:
     """GB/s of KV pushed over gRPC into reservations on the decode worker (no compute in the way)."""
     decode = worker_pb2_grpc.DecodeServiceStub(channel(info["decode"]))
     ch = channel(info["decode"])
@@ -158,7 +158,7 @@ def kv_push_throughput(info: dict, spec_layers: int, total_bytes: int) -> float:
     while pushed < total_bytes:
         rid = uuid.uuid4().hex
         decode.ReserveKv(worker_pb2.ReserveKvRequest(request_id=rid, num_tokens=tokens, lease_seconds=60))
-        sender = GrpcKVSender(ch, rid, spec_layers)
+        sender = GrpcKVSender(ch, rid, spec_layers, max_chunk_bytes=chunk_bytes)
         for layer in range(spec_layers):
             sender.send_layer(layer, per_layer, per_layer)
         result = sender.finish(60)
