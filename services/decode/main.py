@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 from common.engine.engine_loop import EngineLoop
 from common.engine.identity import ModelIdentity
+from common.kv_transfer.shm import ShmKVReceiver
 from services.decode.servicer import SERVICE_NAME, DecodeServicer, add_to_server
 from services.worker.config import WorkerConfig
 from services.worker.runtime import WorkerParts, serve_worker
@@ -11,18 +16,28 @@ from services.worker.runtime import WorkerParts, serve_worker
 
 def make_parts(config: WorkerConfig):
     def make(loop: EngineLoop, identity: ModelIdentity) -> WorkerParts:
+        shm_dir = tempfile.mkdtemp(prefix="pdserve-kv-")  # 0700: only this user's processes may connect
+        shm = ShmKVReceiver(os.path.join(shm_dir, "kv.sock")) if config.kv_shm else None
+
+        def stop() -> None:
+            if shm is not None:
+                shm.close()
+            shutil.rmtree(shm_dir, ignore_errors=True)
+
         servicer = DecodeServicer(
             loop,
             identity,
             generation_config=loop.engine.loaded.generation_config,
             default_max_tokens=config.default_max_tokens,
             max_lease_s=config.kv_lease_s,
+            shm_receiver=shm,
         )
         return WorkerParts(
             add_to_server=lambda server: add_to_server(servicer, server),
             service_names=[SERVICE_NAME],
             tick=servicer.expire_leases,
             num_inflight=lambda: servicer.num_reservations,
+            on_stop=stop,
         )
 
     return make

@@ -15,6 +15,7 @@ Life cycle of a request on a decode worker:
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import grpc
 from common.engine.block_pool import NoFreeBlocksError
 from common.engine.engine_loop import EngineLoop, StreamClosed
 from common.engine.identity import ModelIdentity
+from common.kv_transfer.connector import KVReceiver, TransferState
 from common.kv_transfer.grpc_transport import chunk_of_push_kv_request
 from common.kv_transfer.wire import TransferAssembler, WireFormatError, decode_header
 from common.rpc import convert
@@ -53,7 +55,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         default_max_tokens: int,
         max_lease_s: float = 60.0,
         stream_timeout_s: float = 600.0,
+        shm_receiver: KVReceiver | None = None,
     ) -> None:
+        """``shm_receiver``: a same-host shared-memory KV endpoint offered to prefill workers besides PushKv."""
         self.loop = loop
         self.identity = identity
         self.generation_config = generation_config
@@ -63,6 +67,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self._reservations: dict[str, _Reservation] = {}
         self._lock = threading.Lock()  # guards the dict, not the reservations
         self.num_kv_bytes_received = 0
+        self.shm_receiver = shm_receiver
+        self.host = socket.gethostname()
 
     # -- ReserveKv ----------------------------------------------------------------------------------------
 
@@ -90,9 +96,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         )
         with self._lock:
             self._reservations[rid] = reservation
-        return worker_pb2.ReserveKvResponse(
-            num_blocks=len(blocks), identity=convert.identity_to_proto(self.identity)
+        response = worker_pb2.ReserveKvResponse(
+            num_blocks=len(blocks), identity=convert.identity_to_proto(self.identity), host=self.host
         )
+        if self.shm_receiver is not None:
+            spec = engine.kv_spec
+            self.shm_receiver.expect(rid, spec.num_layers, len(blocks), spec, self._writer(reservation), lease_s)
+            response.kv_shm_address = self.shm_receiver.address
+        return response
+
+    def _kv_complete(self, reservation: _Reservation) -> bool:
+        if reservation.assembler.complete:
+            return True
+        return self.shm_receiver is not None and self.shm_receiver.poll(reservation.request_id) is TransferState.DONE
 
     def _writer(self, reservation: _Reservation):
         kv_cache = self.loop.engine.kv_cache
@@ -143,7 +159,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             reservation = self._reservations.get(rid)
         if reservation is None or reservation.released:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no KV reservation for request {rid}")
-        if not reservation.assembler.complete:
+        if not self._kv_complete(reservation):
             missing = reservation.assembler.describe_progress()
             self.release(rid)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV of request {rid} is incomplete: {missing}")
@@ -163,6 +179,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 reservation.released = True
             with self._lock:
                 self._reservations.pop(rid, None)
+            if self.shm_receiver is not None:
+                self.shm_receiver.abort(rid)  # forget the finished transfer
             return engine.admit_reserved(
                 rid, list(request.prompt_token_ids), list(request.output_token_ids), sampling, generator_state,
                 report_imported=False,
@@ -200,6 +218,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         """Release a reservation or abort a decoding request; True if there was one. Idempotent."""
         with self._lock:
             reservation = self._reservations.pop(request_id, None)
+        if self.shm_receiver is not None:
+            self.shm_receiver.abort(request_id)  # returns once its write() will not be called again
         if reservation is not None:
             with reservation.lock:  # waits for a chunk being written into these blocks
                 reservation.released = True

@@ -22,11 +22,13 @@ def make_parts(config: WorkerConfig):
             transfer_timeout_s=config.kv_transfer_timeout_s,
             chunk_bytes=config.kv_chunk_bytes,
             corrupt_chunk_seq=config.test_corrupt_kv_chunk,
+            kv_transport=config.kv_transport,
         )
         return WorkerParts(
             add_to_server=lambda server: worker_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),
             service_names=[SERVICE_NAME],
             num_inflight=lambda: servicer.num_inflight,
+            on_stop=servicer.close,
         )
 
     return make

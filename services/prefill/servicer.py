@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 
@@ -24,7 +25,9 @@ import grpc
 
 from common.engine.engine_loop import EngineLoop, StreamClosed
 from common.engine.identity import ModelIdentity
-from common.kv_transfer.grpc_transport import GrpcKVSender
+from common.kv_transfer.connector import KVSender
+from common.kv_transfer.grpc_transport import GrpcKVSender, PushResult
+from common.kv_transfer.shm import ShmKVSender
 from common.rpc import convert
 from common.rpc.server import channel
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -44,7 +47,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         chunk_bytes: int = 4 << 20,
         prefill_timeout_s: float = 600.0,
         corrupt_chunk_seq: int | None = None,
+        kv_transport: str = "grpc",
     ) -> None:
+        """``kv_transport``: "grpc", or "shm" to use shared memory with decode workers on this host."""
         self.loop = loop
         self.identity = identity
         self.generation_config = generation_config
@@ -53,8 +58,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.chunk_bytes = chunk_bytes
         self.prefill_timeout_s = prefill_timeout_s
         self.corrupt_chunk_seq = corrupt_chunk_seq
-        self._senders: dict[str, GrpcKVSender] = {}
+        self.kv_transport = kv_transport
+        self.host = socket.gethostname()
+        self._senders: dict[str, GrpcKVSender | _ConnectorRequest] = {}
         self._channels: dict[str, grpc.Channel] = {}
+        self._shm_senders: dict[str, ShmKVSender] = {}
         self._lock = threading.Lock()
         loop.engine.kv_layer_sink = self._sink  # runs on the engine thread: must not block
 
@@ -88,14 +96,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             sampling = convert.sampling_from_proto(request.sampling, self.generation_config, self.default_max_tokens)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        sender = GrpcKVSender(
-            self._channel(request.kv_target_address),
-            rid,
-            self.loop.engine.kv_spec.num_layers,
-            max_chunk_bytes=self.chunk_bytes,
-            timeout_s=self.transfer_timeout_s + self.prefill_timeout_s,
-            corrupt_chunk_seq=self.corrupt_chunk_seq,
-        )
+        sender = self._sender_for(rid, request)
         self._senders[rid] = sender
         try:
             return self._prefill(rid, list(request.prompt_token_ids), sampling, sender, request, context)
@@ -146,6 +147,38 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         response.kv_transfer_seconds = result.seconds
         return response
 
+    def _sender_for(self, rid: str, request) -> GrpcKVSender | _ConnectorRequest:
+        """Shared memory when asked for and the decode worker offers it on this host; else gRPC."""
+        if self.kv_transport == "shm" and request.kv_shm_address and request.kv_target_host == self.host:
+            shm = self._shm_sender(request.kv_shm_address)
+            if shm is not None:
+                return _ConnectorRequest(shm, rid)
+        return GrpcKVSender(
+            self._channel(request.kv_target_address),
+            rid,
+            self.loop.engine.kv_spec.num_layers,
+            max_chunk_bytes=self.chunk_bytes,
+            timeout_s=self.transfer_timeout_s + self.prefill_timeout_s,
+            corrupt_chunk_seq=self.corrupt_chunk_seq,
+        )
+
+    def _shm_sender(self, address: str) -> ShmKVSender | None:
+        with self._lock:
+            sender = self._shm_senders.get(address)
+            if sender is None:
+                try:
+                    sender = self._shm_senders[address] = ShmKVSender(address, max_chunk_bytes=self.chunk_bytes)
+                except ConnectionError as exc:
+                    log.warning("no shared-memory KV channel to %s (%s); using gRPC", address, exc)
+                    return None
+            return sender
+
+    def close(self) -> None:
+        with self._lock:
+            for sender in self._shm_senders.values():
+                sender.close()
+            self._shm_senders.clear()
+
     def _cancel(self, rid: str) -> None:
         sender = self._senders.pop(rid, None)
         if sender is not None:
@@ -157,3 +190,24 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         had_sender = rid in self._senders
         self._cancel(rid)
         return worker_pb2.CancelPrefillResponse(cancelled=had_sender)
+
+
+class _ConnectorRequest:
+    """One request's transfer over a :class:`KVSender` (shared memory), with GrpcKVSender's verbs."""
+
+    def __init__(self, sender: KVSender, request_id: str) -> None:
+        self.sender = sender
+        self.request_id = request_id
+
+    def send_layer(self, layer: int, k, v) -> None:
+        self.sender.send_layer(self.request_id, layer, k, v)
+
+    def finish(self, timeout_s: float) -> PushResult:
+        result = self.sender.finish(self.request_id, timeout_s)
+        if result.ok:
+            return PushResult(True, result.num_bytes, 0, result.seconds)
+        code = grpc.StatusCode.DATA_LOSS if "checksum" in result.error else grpc.StatusCode.UNAVAILABLE
+        return PushResult(False, result.num_bytes, 0, result.seconds, result.error, code)
+
+    def abort(self) -> None:
+        self.sender.abort(self.request_id)

@@ -168,7 +168,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             try:
                 first = prefill_stub.Prefill(
                     worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
-                                              kv_target_address=d.address, decode_identity=reserved.identity),
+                                              kv_target_address=d.address, decode_identity=reserved.identity,
+                                              kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host),
                     timeout=max(0.1, deadline_s - time.monotonic()),
                 )
             except grpc.RpcError as exc:

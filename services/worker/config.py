@@ -32,6 +32,12 @@ class WorkerConfig:
     kv_lease_s: float = field(default=30.0, metadata=_help("decode: longest KV reservation lease"))
     kv_transfer_timeout_s: float = field(default=30.0, metadata=_help("prefill: longest wait for KV acknowledgement"))
     kv_chunk_bytes: int = field(default=4 << 20, metadata=_help("prefill: largest KV chunk on the wire"))
+    kv_transport: str = field(
+        default="grpc",
+        metadata={"help": "prefill: grpc, or shm (shared memory to decode workers on the same host, else grpc)",
+                  "choices": ["grpc", "shm"]},
+    )
+    kv_shm: bool = field(default=True, metadata=_help("decode: also take KV through shared memory on this host"))
     drain_timeout_s: float = field(default=30.0, metadata=_help("on SIGTERM, how long in-flight requests may finish"))
     test_corrupt_kv_chunk: int | None = field(
         default=None, metadata=_help("TEST ONLY: prefill flips a byte of this KV chunk (seq) of every request")

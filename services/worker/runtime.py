@@ -46,6 +46,7 @@ class WorkerParts:
     service_names: list[str]
     tick: Callable[[], None] | None = None  # called about every 0.2 s (e.g. lease expiry)
     num_inflight: Callable[[], int] | None = None  # requests still being served (for the drain)
+    on_stop: Callable[[], None] | None = None  # release the role's resources (after the server stopped)
 
 
 def build_engine(config: WorkerConfig) -> LLMEngine:
@@ -135,6 +136,8 @@ def serve_worker(
     while time.monotonic() < deadline and busy():
         time.sleep(0.05)
     server.stop(grace=1.0).wait(5.0)
+    if parts.on_stop is not None:
+        parts.on_stop()
     loop.stop()
     log.info("%s worker %s stopped", role, worker_id)
     return 0

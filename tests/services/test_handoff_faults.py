@@ -66,3 +66,20 @@ def test_workers_that_disagree_on_the_model_refuse_to_move_kv(model_dir, tiny_mo
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "model_fingerprint" in err.value.details()
         assert all(w.kv_blocks_used == 0 for w in wait_all_blocks_free(cluster.redis_url))
+
+
+def test_shared_memory_transport_on_the_same_host(model_dir, hf_reference, monkeypatch):
+    import services.prefill.servicer as prefill_servicer
+
+    def no_grpc(*args, **kwargs):
+        raise AssertionError("the gRPC KV sender must not be used when shared memory is available")
+
+    monkeypatch.setattr(prefill_servicer, "GrpcKVSender", no_grpc)
+    prefill = [{"worker_id": "prefill-0", "kv_transport": "shm"}]
+    with inprocess_cluster(model_dir, prefill=prefill, decode=[{"worker_id": "decode-0"}]) as cluster:
+        with Client(cluster.router, timeout_s=60) as client:
+            prompts = [[7 + i, 8, 9] * (5 + 20 * i) for i in range(3)]
+            results = [client.generate(p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts]
+        for p, r in zip(prompts, results):
+            assert r.token_ids == hf_greedy(hf_reference(model_dir), p, 6)
+        assert all(w.kv_blocks_used == 0 for w in wait_all_blocks_free(cluster.redis_url))
