@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent import futures
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,26 +147,34 @@ def handoff_breakdown(info: dict) -> dict[int, dict]:
     return out
 
 
-def kv_push_throughput(info: dict, spec_layers: int, total_bytes: int, chunk_bytes: int = 4 * MiB) -> float:
-    """GB/s of KV pushed over gRPC into reservations on the decode worker (no compute in the way)."""
+def kv_push_throughput(
+    info: dict, spec_layers: int, total_bytes: int, chunk_bytes: int = 4 * MiB, concurrency: int = 2
+) -> float:
+    """GB/s of KV pushed over gRPC into reservations on the decode worker (no compute in the way), with
+    ``concurrency`` requests' transfers in flight at once (as a busy prefill worker has)."""
     decode = worker_pb2_grpc.DecodeServiceStub(channel(info["decode"]))
     ch = channel(info["decode"])
     tokens = 4000
     blocks = tokens // 16
     per_layer = torch.randn(blocks, 16, 4, 64)  # the 60M model's block shape: [bs, kv heads, head dim]
-    pushed = 0
+    pushed = [0] * concurrency
+
+    def push(worker: int) -> None:
+        while sum(pushed) < total_bytes:
+            rid = uuid.uuid4().hex
+            decode.ReserveKv(worker_pb2.ReserveKvRequest(request_id=rid, num_tokens=tokens, lease_seconds=60))
+            sender = GrpcKVSender(ch, rid, spec_layers, max_chunk_bytes=chunk_bytes)
+            for layer in range(spec_layers):
+                sender.send_layer(layer, per_layer, per_layer)
+            result = sender.finish(60)
+            assert result.ok, result.error
+            pushed[worker] += result.num_bytes
+            decode.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid))
+
     t0 = time.perf_counter()
-    while pushed < total_bytes:
-        rid = uuid.uuid4().hex
-        decode.ReserveKv(worker_pb2.ReserveKvRequest(request_id=rid, num_tokens=tokens, lease_seconds=60))
-        sender = GrpcKVSender(ch, rid, spec_layers, max_chunk_bytes=chunk_bytes)
-        for layer in range(spec_layers):
-            sender.send_layer(layer, per_layer, per_layer)
-        result = sender.finish(60)
-        assert result.ok, result.error
-        pushed += result.num_bytes
-        decode.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid))
-    return pushed / (time.perf_counter() - t0) / 1e9
+    with futures.ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(push, range(concurrency)))
+    return sum(pushed) / (time.perf_counter() - t0) / 1e9
 
 
 _BARE_SERVER = r"""
@@ -223,7 +232,7 @@ def main() -> int:
     try:
         cluster = through_router(info["router"])
         handoff = handoff_breakdown(info)
-        kv_grpc = kv_push_throughput(info, 8, 512 * MiB)
+        kv_grpc = kv_push_throughput(info, 8, 512 * MiB, 4 * MiB, concurrency=4)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
