@@ -207,7 +207,7 @@ def bare_grpc_throughput(total_bytes: int, msg_bytes: int = 4 * MiB) -> float:
 
 
 def shm_throughput() -> float | None:
-    proc = subprocess.run([sys.executable, "-m", "common.kv_transfer.shm", "--bench"], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kv_shm_throughput.py")], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     try:  # its last line: "median X GB/s (warm rounds)"
         return float(proc.stdout.strip().splitlines()[-1].split()[1])

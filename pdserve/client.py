@@ -51,6 +51,14 @@ class Result:
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
+    def add(self, piece: Piece) -> None:
+        """Fold one streamed piece into the result."""
+        self.token_ids += piece.token_ids
+        self.text += piece.text
+        for name in ("finish_reason", "request_id", "prefill_worker_id", "decode_worker_id", "prompt_tokens",
+                     "completion_tokens"):
+            setattr(self, name, getattr(piece, name) or getattr(self, name))
+
 
 def sampling_message(
     *,
@@ -124,12 +132,5 @@ class Client:
         """The whole generation (blocking)."""
         result = Result()
         for piece in self.stream(prompt, timeout_s=timeout_s, **kwargs):
-            result.token_ids += piece.token_ids
-            result.text += piece.text
-            result.finish_reason = piece.finish_reason or result.finish_reason
-            result.request_id = piece.request_id or result.request_id
-            result.prefill_worker_id = piece.prefill_worker_id or result.prefill_worker_id
-            result.decode_worker_id = piece.decode_worker_id or result.decode_worker_id
-            result.prompt_tokens = piece.prompt_tokens or result.prompt_tokens
-            result.completion_tokens = piece.completion_tokens or result.completion_tokens
+            result.add(piece)
         return result

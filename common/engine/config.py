@@ -44,6 +44,20 @@ class EngineConfig:
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 (bytes, or a fraction <= 1), got {self.kv_cache_memory!r}")
 
+    @classmethod
+    def from_settings(cls, settings) -> EngineConfig:
+        """From any object with the CLI's names (``threads`` for ``num_threads``): parsed flags, a service's
+        settings dataclass."""
+        return cls(
+            block_size=settings.block_size,
+            kv_cache_memory=settings.kv_cache_memory,
+            max_num_seqs=settings.max_num_seqs,
+            max_model_len=settings.max_model_len,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            prefill_chunk_size=settings.prefill_chunk_size,
+            num_threads=settings.threads,
+        )
+
     @property
     def chunk_size(self) -> int:
         return min(self.prefill_chunk_size or self.max_num_batched_tokens, self.max_num_batched_tokens)

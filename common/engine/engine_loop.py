@@ -129,12 +129,7 @@ class EngineLoop:
         Raises what ``add_request`` raises (ValueError on bad input) in the caller's thread.
         """
 
-        def add(engine: LLMEngine) -> RequestStream:
-            request_id = engine.add_request(*args, **kwargs)
-            stream = self._streams[request_id] = RequestStream(request_id)
-            return stream
-
-        return self.call(add)
+        return self.open_stream(lambda engine: engine.add_request(*args, **kwargs))
 
     def open_stream(self, fn: Callable[[LLMEngine], str]) -> RequestStream:
         """Run ``fn`` (which adds or admits a request and returns its id) and stream that request's outputs."""

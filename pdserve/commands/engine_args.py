@@ -27,13 +27,5 @@ def engine_from_args(args: argparse.Namespace):
     from common.engine.engine import LLMEngine
     from common.engine.loader import load_model
 
-    config = EngineConfig(
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=args.prefill_chunk_size,
-        num_threads=args.threads,
-    )
-    return LLMEngine(load_model(args.model, dtype=args.dtype, device=args.device), config)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    return LLMEngine(loaded, EngineConfig.from_settings(args))

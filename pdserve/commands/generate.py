@@ -44,14 +44,7 @@ def generate(args: argparse.Namespace) -> int:
     try:
         with Client(address) as client:
             for piece in client.stream(args.prompt, timeout_s=args.timeout, **sampling):
-                result.request_id = piece.request_id or result.request_id
-                result.token_ids += piece.token_ids
-                result.text += piece.text
-                result.finish_reason = piece.finish_reason or result.finish_reason
-                result.prefill_worker_id = piece.prefill_worker_id or result.prefill_worker_id
-                result.decode_worker_id = piece.decode_worker_id or result.decode_worker_id
-                result.prompt_tokens = piece.prompt_tokens or result.prompt_tokens
-                result.completion_tokens = piece.completion_tokens or result.completion_tokens
+                result.add(piece)
                 if not args.json and piece.text:
                     sys.stdout.write(piece.text)
                     sys.stdout.flush()

@@ -53,18 +53,7 @@ def build_engine(config: WorkerConfig) -> LLMEngine:
     if not config.model:
         raise ValueError("a worker needs --model (a local model directory)")
     loaded = load_model(config.model, dtype=config.dtype, device=config.device)
-    return LLMEngine(
-        loaded,
-        EngineConfig(
-            block_size=config.block_size,
-            kv_cache_memory=config.kv_cache_memory,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            prefill_chunk_size=config.prefill_chunk_size,
-            num_threads=config.threads,
-        ),
-    )
+    return LLMEngine(loaded, EngineConfig.from_settings(config))
 
 
 def serve_worker(
