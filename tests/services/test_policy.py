@@ -1,0 +1,42 @@
+"""Router policy on tiny factories: exact choices."""
+
+from __future__ import annotations
+
+from common.state.registry import WorkerInfo
+from services.router.policy import LoadTracker, pick_decode, pick_prefill
+
+
+def worker(wid: str, role: str, running: int = 0, waiting: int = 0, used: int = 0, total: int = 100) -> WorkerInfo:
+    return WorkerInfo(id=wid, role=role, address=f"{wid}:1", host="h", pid=1, model="m", version="v",
+                      num_requests_running=running, num_requests_waiting=waiting, kv_blocks_used=used,
+                      kv_blocks_total=total)
+
+
+def test_idle_pool_is_served_round_robin():
+    workers = [worker("p0", "prefill"), worker("p1", "prefill"), worker("d0", "decode"), worker("d1", "decode")]
+    tracker = LoadTracker()
+    chosen = []
+    for _ in range(4):  # each request finishes before the next arrives
+        p = pick_prefill(workers, tracker, set()).worker.id
+        d = pick_decode(workers, tracker, set()).worker.id
+        tracker.acquire(p)
+        tracker.acquire(d)
+        tracker.release(p)
+        tracker.release(d)
+        chosen.append((p, d))
+    assert chosen == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
+
+
+def test_load_then_free_blocks_decide_and_exclusions_hold():
+    workers = [worker("d0", "decode", running=3), worker("d1", "decode", running=1, used=90),
+               worker("d2", "decode", running=1, used=10)]
+    tracker = LoadTracker()
+    assert pick_decode(workers, tracker, set()).worker.id == "d2"  # least loaded, then most free blocks
+    tracker.acquire("d2")
+    tracker.acquire("d2")
+    assert pick_decode(workers, tracker, set()).worker.id == "d1"  # the router's in-flight requests count
+    assert pick_decode(workers, tracker, {"d1", "d2"}).worker.id == "d0"
+    assert pick_decode(workers, tracker, {"d0", "d1", "d2"}) is None
+    prefills = [worker("p0", "prefill", waiting=2), worker("p1", "prefill", running=1)]
+    assert pick_prefill(prefills, tracker, set()).worker.id == "p1"
+    assert pick_prefill(workers, tracker, set()) is None  # no prefill worker at all
