@@ -15,6 +15,7 @@ Life cycle of a request on a decode worker:
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import threading
 import time
@@ -33,6 +34,17 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "pdserve.v1.DecodeService"
+
+
+PUSH_QUEUE_CHUNKS = 8  # chunks received ahead of the writer (8 x 4 MiB)
+
+
+@dataclass
+class _PushOutcome:
+    num_chunks: int = 0
+    num_bytes: int = 0
+    touched: set[str] = field(default_factory=set)
+    error: tuple[grpc.StatusCode, str] | None = None
 
 
 @dataclass(eq=False)
@@ -124,32 +136,55 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     # -- PushKv -------------------------------------------------------------------------------------------
 
     def PushKv(self, request_iterator, context):
-        num_chunks = num_bytes = 0
-        touched: set[str] = set()
-        for chunk in request_iterator:  # chunk bytes (see add_to_server: no protobuf copy)
-            try:
-                header = decode_header(chunk)
-            except WireFormatError as exc:
-                context.abort(grpc.StatusCode.DATA_LOSS, f"unreadable KV chunk: {exc}")
-            reservation = self._reservations.get(header.request_id)
-            if reservation is None or reservation.released:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"no KV reservation for request {header.request_id} (expired, released or never made)",
-                )
-            try:
-                reservation.assembler.feed(chunk)
-            except ValueError as exc:  # WireFormatError, ChecksumError, ChunkRejectedError
-                self.release(header.request_id)
-                context.abort(grpc.StatusCode.DATA_LOSS, f"bad KV chunk for request {header.request_id}: {exc}")
-            num_chunks += 1
-            num_bytes += len(chunk)
-            touched.add(header.request_id)
-        self.num_kv_bytes_received += num_bytes
+        """Chunks are checked and written on a helper thread while this one already receives the next: gRPC
+        reads a stream's next message only when asked, so writing inline would stall the transfer."""
+        work: queue.Queue = queue.Queue(maxsize=PUSH_QUEUE_CHUNKS)
+        outcome = _PushOutcome()
+        writer = threading.Thread(target=self._apply_chunks, args=(work, outcome), name="kv-push", daemon=True)
+        writer.start()
+        try:
+            for chunk in request_iterator:  # chunk bytes (see add_to_server: no protobuf copy)
+                if outcome.error is not None:
+                    break
+                work.put(chunk)
+        finally:
+            work.put(None)
+            writer.join()
+        if outcome.error is not None:
+            code, message = outcome.error
+            context.abort(code, message)
+        self.num_kv_bytes_received += outcome.num_bytes
         complete = all(
-            (r := self._reservations.get(rid)) is not None and r.assembler.complete for rid in touched
+            (r := self._reservations.get(rid)) is not None and r.assembler.complete for rid in outcome.touched
         )
-        return worker_pb2.PushKvResponse(num_chunks=num_chunks, num_bytes=num_bytes, complete=complete)
+        return worker_pb2.PushKvResponse(num_chunks=outcome.num_chunks, num_bytes=outcome.num_bytes,
+                                         complete=complete)
+
+    def _apply_chunks(self, work: queue.Queue, outcome: _PushOutcome) -> None:
+        """Check and write queued chunks until None; the first failure is recorded and the rest drained."""
+        while (chunk := work.get()) is not None:
+            if outcome.error is None:
+                outcome.error = self._apply_chunk(chunk, outcome)
+
+    def _apply_chunk(self, chunk, outcome: _PushOutcome) -> tuple[grpc.StatusCode, str] | None:
+        try:
+            header = decode_header(chunk)
+        except WireFormatError as exc:
+            return grpc.StatusCode.DATA_LOSS, f"unreadable KV chunk: {exc}"
+        rid = header.request_id
+        reservation = self._reservations.get(rid)
+        if reservation is None or reservation.released:
+            why = f"no KV reservation for request {rid} (expired, released or never made)"
+            return grpc.StatusCode.FAILED_PRECONDITION, why
+        try:
+            reservation.assembler.feed(chunk)
+        except ValueError as exc:  # WireFormatError, ChecksumError, ChunkRejectedError
+            self.release(rid)
+            return grpc.StatusCode.DATA_LOSS, f"bad KV chunk for request {rid}: {exc}"
+        outcome.num_chunks += 1
+        outcome.num_bytes += len(chunk)
+        outcome.touched.add(rid)
+        return None
 
     # -- Decode -------------------------------------------------------------------------------------------
 
