@@ -69,6 +69,8 @@ def up(args: argparse.Namespace) -> int:
                 name, port = f"{role}-{i}", free_port()
                 argv = [*py, role, "--model", model, "--port", str(port), "--redis-url", redis_url,
                         "--worker-id", name, *args.worker_arg, *extra]
+                if role == "decode":  # its shm socket lives with the logs, even if the worker is killed
+                    argv += ["--kv-shm-dir", str(log_dir / "kv")]
                 sup.spawn(name, argv, log_path=log_dir / f"{name}.log")
                 endpoints[name] = f"127.0.0.1:{port}"
         router_port = args.port or free_port()

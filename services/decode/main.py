@@ -16,13 +16,17 @@ from services.worker.runtime import WorkerParts, serve_worker
 
 def make_parts(config: WorkerConfig):
     def make(loop: EngineLoop, identity: ModelIdentity) -> WorkerParts:
-        shm_dir = tempfile.mkdtemp(prefix="pdserve-kv-")  # 0700: only this user's processes may connect
-        shm = ShmKVReceiver(os.path.join(shm_dir, "kv.sock")) if config.kv_shm else None
+        own_dir = not config.kv_shm_dir
+        shm_dir = tempfile.mkdtemp(prefix="pdserve-kv-") if own_dir else config.kv_shm_dir  # 0700 when made here
+        if config.kv_shm:
+            os.makedirs(shm_dir, mode=0o700, exist_ok=True)
+        shm = ShmKVReceiver(os.path.join(shm_dir, f"kv-{os.getpid()}.sock")) if config.kv_shm else None
 
         def stop() -> None:
             if shm is not None:
-                shm.close()
-            shutil.rmtree(shm_dir, ignore_errors=True)
+                shm.close()  # removes the socket
+            if own_dir:
+                shutil.rmtree(shm_dir, ignore_errors=True)
 
         servicer = DecodeServicer(
             loop,

@@ -38,6 +38,7 @@ class WorkerConfig:
                   "choices": ["grpc", "shm"]},
     )
     kv_shm: bool = field(default=True, metadata=_help("decode: also take KV through shared memory on this host"))
+    kv_shm_dir: str = field(default="", metadata=_help("decode: folder of its shm KV socket (default: a temp dir)"))
     drain_timeout_s: float = field(default=30.0, metadata=_help("on SIGTERM, how long in-flight requests may finish"))
     test_corrupt_kv_chunk: int | None = field(
         default=None, metadata=_help("TEST ONLY: prefill flips a byte of this KV chunk (seq) of every request")
