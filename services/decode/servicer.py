@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from common.engine.block_pool import NoFreeBlocksError
 from common.engine.engine_loop import EngineLoop, StreamClosed
@@ -205,8 +206,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         generator_state = None
         if request.generator_state:
-            import torch
-
             generator_state = torch.frombuffer(bytearray(request.generator_state), dtype=torch.uint8)
 
         def admit(engine):
