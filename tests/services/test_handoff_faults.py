@@ -83,3 +83,21 @@ def test_shared_memory_transport_on_the_same_host(model_dir, hf_reference, monke
         for p, r in zip(prompts, results):
             assert r.token_ids == hf_greedy(hf_reference(model_dir), p, 6)
         assert all(w.kv_blocks_used == 0 for w in wait_all_blocks_free(cluster.redis_url))
+
+
+def test_seeded_sampling_through_the_cluster_equals_one_engine(model_dir):
+    from common.engine.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.engine.loader import load_model
+    from common.engine.sampling_params import SamplingParams
+
+    prompts = [[5, 6, 7, 8] * 3, [9, 10] * 40]
+    engine = LLMEngine(load_model(model_dir), EngineConfig(num_kv_blocks=200))
+    expected = engine.generate(prompts, [SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, seed=s,
+                                                        ignore_eos=True) for s in (11, 12)])
+    with inprocess_cluster(model_dir, prefill=[{"worker_id": "prefill-0"}], decode=[{"worker_id": "decode-0"}]) as c:
+        with Client(c.router, timeout_s=60) as client:
+            got = [client.generate(p, max_tokens=12, temperature=0.9, top_k=50, seed=s, ignore_eos=True)
+                   for p, s in zip(prompts, (11, 12))]
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert [g.text for g in got] == [e.text for e in expected]
