@@ -26,6 +26,7 @@ from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")) / "models" / "tiny-llama"
 READY_TIMEOUT_S = 300.0
+ROUTER_REFRESH_S = 0.5  # services.router.config.RouterConfig.registry_refresh_s (default)
 
 
 def add_parser(subparsers) -> None:
@@ -89,6 +90,9 @@ def up(args: argparse.Namespace) -> int:
                     report = sup[exited[0]].exit_report() if exited else ""
                     print(f"pdserve up: {name} did not become ready ({why}) {report}", file=sys.stderr)
                     return 1
+        if not _wait_router_sees_workers(redis_url, args.prefill + args.decode, deadline):
+            print("pdserve up: the workers did not all appear in the registry", file=sys.stderr)
+            return 1
         print(f"pdserve ready: {endpoints['router']} prefill={args.prefill} decode={args.decode} "
               f"redis={redis_url} logs={log_dir}", flush=True)
         reported: set[str] = set()
@@ -98,6 +102,22 @@ def up(args: argparse.Namespace) -> int:
                     reported.add(proc.name)
                     print(f"pdserve up: {proc.exit_report()}", file=sys.stderr, flush=True)
     return 0
+
+
+def _wait_router_sees_workers(redis_url: str, count: int, deadline: float) -> bool:
+    """Every worker registers before it reports SERVING; the router re-reads the registry every
+    ``ROUTER_REFRESH_S``. Wait until the registry lists them all, then one refresh more, so that the first
+    requests after the ready line can reach every worker."""
+    from common.state.redis_client import connect
+    from common.state.registry import WorkerRegistry
+
+    registry = WorkerRegistry(connect(redis_url))
+    while len(registry.list_workers()) < count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    time.sleep(2 * ROUTER_REFRESH_S)
+    return True
 
 
 def _tiny_model() -> Path:

@@ -1,12 +1,17 @@
 """Which workers serve a request: decode first (it must hold the KV), then prefill.
 
-Scores combine the registry's load (refreshed about once a second, so stale within a burst) with the
-requests this router has in flight on each worker (exact and immediate), so that a burst spreads over the
-pool instead of piling onto the worker that looked idlest a second ago.
+The router's own bookkeeping is exact and immediate; the registry's load figures are up to a heartbeat
+(about a second) old, so a burst would pile onto whichever worker looked idlest a second ago, and a worker
+whose last heartbeat caught a request that has long finished would look busy. So, per pool:
 
-- decode: fewest requests (running + waiting + this router's in flight), then most free KV blocks;
-- prefill: fewest queued plus running requests, counting this router's in-flight prefills;
-- ties go to the worker this router sent the fewest requests so far (round robin when the pool is idle).
+1. fewest requests this router has in flight there (a slow worker accumulates them: it gets fewer new ones);
+2. then the fewest requests this router ever sent there (round robin over an idle pool);
+3. then the registry's view: for decode, fewest running + waiting requests and most free KV blocks; for
+   prefill, the shortest queue (this is what tells one router about the others' traffic);
+4. then the id, so that the choice is deterministic.
+
+A decode worker that turns out to have no room answers ReserveKv with RESOURCE_EXHAUSTED, and the router
+tries the next one.
 """
 
 from __future__ import annotations
@@ -47,7 +52,6 @@ class LoadTracker:
         return self._inflight.get(worker_id, 0)
 
     def assigned(self, worker_id: str) -> int:
-        """Requests ever sent to the worker: the tie-break between equally loaded workers (round robin)."""
         return self._assigned.get(worker_id, 0)
 
 
@@ -57,21 +61,22 @@ def pick_decode(workers: list[WorkerInfo], tracker: LoadTracker, exclude: set[st
         return None
 
     def score(w: WorkerInfo) -> tuple:
+        registry_load = w.num_requests_running + w.num_requests_waiting
         free = w.kv_blocks_total - w.kv_blocks_used
-        load = tracker.get(w.id) + w.num_requests_running + w.num_requests_waiting
-        return (load, -free, tracker.assigned(w.id), w.id)
+        return (tracker.get(w.id), tracker.assigned(w.id), registry_load, -free, w.id)
 
     best = min(candidates, key=score)
-    free = best.kv_blocks_total - best.kv_blocks_used
-    return Choice(best, f"decode {best.id}: least loaded of {len(candidates)} ({free} free blocks)")
+    return Choice(best, f"decode {best.id}: {tracker.get(best.id)} in flight here, of {len(candidates)} candidates")
 
 
 def pick_prefill(workers: list[WorkerInfo], tracker: LoadTracker, exclude: set[str]) -> Choice | None:
     candidates = [w for w in workers if w.role == "prefill" and w.id not in exclude]
     if not candidates:
         return None
+
     def score(w: WorkerInfo) -> tuple:
-        return (tracker.get(w.id) + w.num_requests_waiting + w.num_requests_running, tracker.assigned(w.id), w.id)
+        registry_load = w.num_requests_waiting + w.num_requests_running
+        return (tracker.get(w.id), tracker.assigned(w.id), registry_load, w.id)
 
     best = min(candidates, key=score)
-    return Choice(best, f"prefill {best.id}: shortest queue of {len(candidates)}")
+    return Choice(best, f"prefill {best.id}: {tracker.get(best.id)} in flight here, of {len(candidates)} candidates")

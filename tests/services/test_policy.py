@@ -27,16 +27,38 @@ def test_idle_pool_is_served_round_robin():
     assert chosen == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
 
 
-def test_load_then_free_blocks_decide_and_exclusions_hold():
+def test_in_flight_first_then_round_robin_then_registry_and_exclusions_hold():
     workers = [worker("d0", "decode", running=3), worker("d1", "decode", running=1, used=90),
                worker("d2", "decode", running=1, used=10)]
     tracker = LoadTracker()
-    assert pick_decode(workers, tracker, set()).worker.id == "d2"  # least loaded, then most free blocks
+    # nothing sent yet: the registry decides (least loaded, then most free blocks)
+    assert pick_decode(workers, tracker, set()).worker.id == "d2"
     tracker.acquire("d2")
-    tracker.acquire("d2")
-    assert pick_decode(workers, tracker, set()).worker.id == "d1"  # the router's in-flight requests count
+    # d2 has a request in flight here: the others go first, round robin before the registry's stale load
+    assert pick_decode(workers, tracker, set()).worker.id == "d1"
+    tracker.acquire("d1")
+    assert pick_decode(workers, tracker, set()).worker.id == "d0"
+    tracker.release("d2")
+    tracker.release("d1")
+    tracker.acquire("d0")
+    tracker.release("d0")
+    # all idle, each sent one: the registry breaks the tie again
+    assert pick_decode(workers, tracker, set()).worker.id == "d2"
     assert pick_decode(workers, tracker, {"d1", "d2"}).worker.id == "d0"
     assert pick_decode(workers, tracker, {"d0", "d1", "d2"}) is None
     prefills = [worker("p0", "prefill", waiting=2), worker("p1", "prefill", running=1)]
     assert pick_prefill(prefills, tracker, set()).worker.id == "p1"
     assert pick_prefill(workers, tracker, set()) is None  # no prefill worker at all
+
+
+def test_a_stale_busy_heartbeat_does_not_starve_a_worker():
+    """d1's last heartbeat caught a request that has finished; sequential requests still alternate."""
+    workers = [worker("d0", "decode"), worker("d1", "decode", running=1)]
+    tracker = LoadTracker()
+    chosen = []
+    for _ in range(4):
+        d = pick_decode(workers, tracker, set()).worker.id
+        tracker.acquire(d)
+        tracker.release(d)
+        chosen.append(d)
+    assert chosen == ["d0", "d1", "d0", "d1"]
