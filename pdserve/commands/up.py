@@ -4,7 +4,8 @@
 
 Without ``--model`` it builds (once) and serves the embedded tiny model. Without ``--redis-url`` it starts
 a ``redis-server`` on a free port. Every service gets a free port (the router ``--port`` if given). When
-every service answers its gRPC health check it prints one line on stdout:
+every service answers its gRPC health check and the router has had time to see every worker in the
+registry, it prints one line on stdout:
 
     pdserve ready: ROUTER_ADDRESS prefill=N decode=M redis=URL logs=DIR
 
