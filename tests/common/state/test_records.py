@@ -15,21 +15,6 @@ from common.state.records import (
     pack_token_ids,
     unpack_token_ids,
 )
-from common.state.redis_client import connect
-from tests.redis_server import RedisServer
-
-
-@pytest.fixture
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-def client(redis_server):
-    c = connect(redis_server.url)
-    yield c
-    c.close()
 
 
 def make_request(request_id: str = "r1", **overrides) -> RequestRecord:

@@ -14,20 +14,7 @@ import redis
 from common.state import keys
 from common.state.redis_client import connect, ping, redact_url
 from common.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
-from tests.redis_server import RedisServer, free_port
-
-
-@pytest.fixture
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-def client(redis_server):
-    c = connect(redis_server.url)
-    yield c
-    c.close()
+from tests.redis_server import free_port
 
 
 def make_info(worker_id: str = "p0", role: str = "prefill", **overrides) -> WorkerInfo:
