@@ -5,22 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.cli import REPO, pdserve
 from tests.conftest import hf_greedy
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def pdserve(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdserve", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"pdserve {args} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return proc
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -23,18 +22,10 @@ import redis as redis_lib
 import torch
 
 from pdserve.client import Client
+from tests.cli import REPO, pdserve
 from tests.conftest import hf_greedy
 
-REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_TTL_S = 3.0
-
-
-def pdserve(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "pdserve", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"pdserve {args} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return proc
 
 
 @pytest.fixture(scope="module")
