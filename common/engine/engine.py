@@ -15,7 +15,6 @@ The engine is not thread-safe: one caller drives it (a service runs it in one th
 
 from __future__ import annotations
 
-import itertools
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -102,7 +101,6 @@ class LLMEngine(KVHandoffMixin):
         self.reservations = ReservationTable(self.block_pool, config.block_size)
         self.kv_layer_sink = kv_layer_sink
         self._requests: dict[str, Request] = {}  # every request not yet finished and reported
-        self._arrivals = itertools.count()
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
             loaded.model_dir, num_blocks, config.block_size,
@@ -194,7 +192,6 @@ class LLMEngine(KVHandoffMixin):
             stop_matcher=StopStringMatcher(sampling.stop),
             generator=generator,
             prefill_only=prefill_only,
-            arrival_order=next(self._arrivals),
             output_token_ids=list(output_ids),
         )
         self._requests[request_id] = request

@@ -92,7 +92,6 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.stats = EngineStats(kv_blocks_total=engine.block_pool.num_blocks)
-        self.num_steps = 0
 
     # -- any thread -----------------------------------------------------------------------------------------
 
@@ -174,7 +173,6 @@ class EngineLoop:
                     stream._fail(exc)
                 self._streams.clear()
                 continue
-            self.num_steps += 1
             self._route(outputs)
             self._snapshot()
         self._shutdown()

@@ -51,7 +51,6 @@ class Request:
     stop_matcher: StopStringMatcher
     generator: torch.Generator | None = None
     prefill_only: bool = False
-    arrival_order: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in this engine's cache

@@ -79,7 +79,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.stream_timeout_s = stream_timeout_s
         self._reservations: dict[str, _Reservation] = {}
         self._lock = threading.Lock()  # guards the dict, not the reservations
-        self.num_kv_bytes_received = 0
         self.shm_receiver = shm_receiver
         self.host = socket.gethostname()
 
@@ -154,7 +153,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         if outcome.error is not None:
             code, message = outcome.error
             context.abort(code, message)
-        self.num_kv_bytes_received += outcome.num_bytes
         complete = all(
             (r := self._reservations.get(rid)) is not None and r.assembler.complete for rid in outcome.touched
         )
