@@ -9,8 +9,10 @@ Model: the ~60M Llama (built with --size 60m if missing; context 4096), fp32. Fo
     against the engine alone in this process;
   - KV bytes moved, transfer time (first chunk queued → decode's acknowledgement), prefill compute time
     and the *exposed* transfer time (what the transfer adds after prefill compute: the rest overlapped it).
-Throughput: KV over gRPC (PushKv of large reservations, 4 MiB chunks) against a bare gRPC byte stream of
-4 MiB messages between two processes on loopback; KV over shared memory (common.kv_transfer.shm).
+Throughput: KV over gRPC (PushKv of large reservations, 4 MiB chunks, two transfers in flight) against a
+bare gRPC byte stream of 4 MiB messages (DecodeService.ProbeLink) between the same two processes (this one,
+sending as a prefill worker would, and the decode worker), medians of interleaved rounds; KV over shared
+memory (common.kv_transfer.shm).
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
 from common.engine.loader import load_model  # noqa: E402
 from common.engine.sampling_params import SamplingParams  # noqa: E402
-from common.kv_transfer.grpc_transport import GrpcKVSender  # noqa: E402
+from common.kv_transfer.grpc_transport import GrpcKVSender, probe_link  # noqa: E402
+from common.rpc.malloc import tune_malloc  # noqa: E402
 from common.rpc.server import channel  # noqa: E402
 from common.state.redis_client import connect  # noqa: E402
 from common.state.registry import WorkerRegistry  # noqa: E402
@@ -177,33 +179,17 @@ def kv_push_throughput(
     return sum(pushed) / (time.perf_counter() - t0) / 1e9
 
 
-_BARE_SERVER = r"""
-import sys, grpc
-from concurrent import futures
-def sink(it, ctx):
-    n = 0
-    for m in it: n += len(m)
-    return n.to_bytes(8, "little")
-h = grpc.method_handlers_generic_handler("bench.Bytes", {"Push": grpc.stream_unary_rpc_method_handler(sink)})
-s = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 << 20)])
-s.add_generic_rpc_handlers((h,))
-port = s.add_insecure_port("127.0.0.1:0"); s.start(); print(port, flush=True); s.wait_for_termination()
-"""
-
-
-def bare_grpc_throughput(total_bytes: int, msg_bytes: int = 4 * MiB) -> float:
-    proc = subprocess.Popen([sys.executable, "-c", _BARE_SERVER], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(proc.stdout.readline())
-        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
-        push = ch.stream_unary("/bench.Bytes/Push")
-        payload = os.urandom(msg_bytes)
-        push(iter([payload] * 4))  # warm-up
-        t0 = time.perf_counter()
-        push(iter([payload] * (total_bytes // msg_bytes)))
-        return total_bytes / (time.perf_counter() - t0) / 1e9
-    finally:
-        proc.kill()
+def link_throughput(info: dict, rounds: int = 3, total_bytes: int = 512 * MiB) -> tuple[float, float]:
+    """Medians over interleaved rounds (GB/s): KV over gRPC into the decode worker, and a bare gRPC byte
+    stream of 4 MiB messages (``DecodeService.ProbeLink``: counted and dropped) between the same two
+    processes. Interleaving keeps the noisy machine's swings out of the ratio."""
+    ch = channel(info["decode"])
+    probe_link(ch, 64 * MiB)  # warm-up
+    bare, kv = [], []
+    for _ in range(rounds):
+        bare.append(probe_link(ch, total_bytes) / 1e9)
+        kv.append(kv_push_throughput(info, 8, total_bytes, 4 * MiB, concurrency=2))
+    return statistics.median(kv), statistics.median(bare)
 
 
 def shm_throughput() -> float | None:
@@ -227,16 +213,16 @@ def main() -> int:
 
         build_tiny("llama", args.model, size="60m")
     torch.set_num_threads(args.threads)
+    tune_malloc()  # this process sends KV as a prefill worker would (pdserve serve tunes its workers the same)
     single = single_process(args.model, args.threads)
     proc, info = start_cluster(args.model, args.threads)
     try:
         cluster = through_router(info["router"])
         handoff = handoff_breakdown(info)
-        kv_grpc = kv_push_throughput(info, 8, 512 * MiB, 4 * MiB, concurrency=4)
+        kv_grpc, bare = link_throughput(info)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
-    bare = bare_grpc_throughput(512 * MiB)
     shm = shm_throughput()
     report = {"single": single, "cluster": cluster, "handoff": handoff, "kv_grpc_gb_s": kv_grpc,
               "bare_grpc_gb_s": bare, "kv_shm_gb_s": shm}

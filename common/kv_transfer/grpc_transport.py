@@ -16,6 +16,7 @@ Who calls what (prefill worker):
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from dataclasses import dataclass
@@ -29,14 +30,12 @@ from pdserve.v1 import worker_pb2
 DEFAULT_MAX_CHUNK_BYTES = 4 << 20  # the bare gRPC byte stream reaches ~1 GB/s here with 4 MiB messages
 _END = object()
 _PUSH_KV_METHOD = "/pdserve.v1.DecodeService/PushKv"
+_PROBE_LINK_METHOD = "/pdserve.v1.DecodeService/ProbeLink"
 
 
-def chunk_of_push_kv_request(message: bytes) -> memoryview | bytes:
-    """The ``chunk`` of a serialized PushKvRequest without copying it (the decode side's deserializer).
-
-    A message that is not exactly field 1 (written by another implementation, or a later proto version with
-    more fields) goes through protobuf instead.
-    """
+def _field1_view(message: bytes) -> memoryview | None:
+    """The bytes of field 1 of a serialized message that is exactly that field, as a view (no copy); None
+    for anything else (written by another implementation, or a later proto version with more fields)."""
     view = memoryview(message)
     if len(view) > 1 and view[0] == 0x0A:
         length, shift, pos = 0, 0, 1
@@ -45,11 +44,40 @@ def chunk_of_push_kv_request(message: bytes) -> memoryview | bytes:
             length |= (byte & 0x7F) << shift
             pos += 1
             if not byte & 0x80:
-                if pos + length == len(view):
-                    return view[pos:]
-                break
+                return view[pos:] if pos + length == len(view) else None
             shift += 7
-    return worker_pb2.PushKvRequest.FromString(message).chunk
+    return None
+
+
+def chunk_of_push_kv_request(message: bytes) -> memoryview | bytes:
+    """The ``chunk`` of a serialized PushKvRequest without copying it (the decode side's deserializer)."""
+    view = _field1_view(message)
+    return view if view is not None else worker_pb2.PushKvRequest.FromString(message).chunk
+
+
+def size_of_probe_link_request(message: bytes) -> int:
+    """How many data bytes a serialized ProbeLinkRequest carries (the decode side's deserializer)."""
+    view = _field1_view(message)
+    return len(view) if view is not None else len(worker_pb2.ProbeLinkRequest.FromString(message).data)
+
+
+def probe_link(channel: grpc.Channel, total_bytes: int, message_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+               timeout_s: float = 120.0) -> float:
+    """Raw gRPC throughput (bytes/s) to a decode worker: ``total_bytes`` in messages of ``message_bytes``
+    through ``DecodeService.ProbeLink``, serialized once up front. The baseline KV transfer is judged by."""
+    probe = channel.stream_unary(
+        _PROBE_LINK_METHOD,
+        request_serializer=lambda message: message,
+        response_deserializer=worker_pb2.ProbeLinkResponse.FromString,
+    )
+    message = _field1_prefix(message_bytes) + os.urandom(message_bytes)
+    count = max(1, total_bytes // message_bytes)
+    t0 = time.perf_counter()
+    response = probe(iter([message] * count), timeout=timeout_s)
+    seconds = time.perf_counter() - t0
+    if response.num_bytes != count * message_bytes:
+        raise RuntimeError(f"probe sent {count * message_bytes} bytes, the worker counted {response.num_bytes}")
+    return response.num_bytes / seconds
 
 
 def _field1_prefix(length: int) -> bytes:

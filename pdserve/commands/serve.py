@@ -7,6 +7,7 @@ import argparse
 import logging
 
 from common.config.loader import add_config_args, resolve_config
+from common.rpc.malloc import tune_malloc
 from services.router.config import RouterConfig
 from services.worker.config import WorkerConfig
 
@@ -30,6 +31,7 @@ def run_service(role: str, args: argparse.Namespace) -> int:
     schema = _SERVICES[role][0]
     resolved = resolve_config(schema, args)
     log.info("%s settings: %s", role, resolved.describe())
+    tune_malloc()  # this process is the service: its large gRPC buffers stay on the heap
     if role == "router":
         from services.router.main import run
     elif role == "prefill":

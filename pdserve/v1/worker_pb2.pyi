@@ -137,3 +137,17 @@ class ReleaseKvResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class ProbeLinkRequest(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class ProbeLinkResponse(_message.Message):
+    __slots__ = ("num_messages", "num_bytes")
+    NUM_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_messages: int
+    num_bytes: int
+    def __init__(self, num_messages: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...

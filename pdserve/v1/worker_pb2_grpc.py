@@ -176,6 +176,11 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
                 _registered_method=True)
+        self.ProbeLink = channel.stream_unary(
+                '/pdserve.v1.DecodeService/ProbeLink',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.ProbeLinkRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ProbeLinkResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -210,6 +215,14 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeLink(self, request_iterator, context):
+        """Count and drop a stream of bytes: the raw gRPC throughput from the caller to this worker, the baseline
+        KV transfer is measured against (benchmarks/disagg_overhead.py) and a link check for operators.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -232,6 +245,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.ReleaseKv,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKvRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKvResponse.SerializeToString,
+            ),
+            'ProbeLink': grpc.stream_unary_rpc_method_handler(
+                    servicer.ProbeLink,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ProbeLinkRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ProbeLinkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -343,6 +361,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/ReleaseKv',
             pdserve_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeLink(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeService/ProbeLink',
+            pdserve_dot_v1_dot_worker__pb2.ProbeLinkRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.ProbeLinkResponse.FromString,
             options,
             channel_credentials,
             insecure,

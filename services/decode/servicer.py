@@ -28,7 +28,7 @@ from common.engine.block_pool import NoFreeBlocksError
 from common.engine.engine_loop import EngineLoop, StreamClosed
 from common.engine.identity import ModelIdentity
 from common.kv_transfer.connector import KVReceiver, TransferState
-from common.kv_transfer.grpc_transport import chunk_of_push_kv_request
+from common.kv_transfer.grpc_transport import chunk_of_push_kv_request, size_of_probe_link_request
 from common.kv_transfer.wire import TransferAssembler, WireFormatError, decode_header
 from common.rpc import convert
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -241,6 +241,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             self.loop.submit(lambda e: e.abort(rid))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} produced no token in time")
 
+    # -- ProbeLink ------------------------------------------------------------------------------------------
+
+    def ProbeLink(self, request_iterator, context):
+        """Count a stream's bytes and drop them (see add_to_server: each item is a message's data size)."""
+        num_messages = num_bytes = 0
+        for size in request_iterator:
+            num_messages += 1
+            num_bytes += size
+        return worker_pb2.ProbeLinkResponse(num_messages=num_messages, num_bytes=num_bytes)
+
     # -- ReleaseKv, leases --------------------------------------------------------------------------------
 
     def ReleaseKv(self, request, context):
@@ -277,7 +287,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
 def add_to_server(servicer: DecodeServicer, server: grpc.Server) -> None:
     """Register the DecodeService like the generated ``add_DecodeServiceServicer_to_server``, except that
-    PushKv hands the servicer each chunk as a view of the received message (no protobuf copy)."""
+    PushKv hands the servicer each chunk as a view of the received message (no protobuf copy) and ProbeLink
+    only each message's data size."""
     handlers = {
         "ReserveKv": grpc.unary_unary_rpc_method_handler(
             servicer.ReserveKv,
@@ -298,6 +309,11 @@ def add_to_server(servicer: DecodeServicer, server: grpc.Server) -> None:
             servicer.ReleaseKv,
             request_deserializer=worker_pb2.ReleaseKvRequest.FromString,
             response_serializer=worker_pb2.ReleaseKvResponse.SerializeToString,
+        ),
+        "ProbeLink": grpc.stream_unary_rpc_method_handler(
+            servicer.ProbeLink,
+            request_deserializer=size_of_probe_link_request,
+            response_serializer=worker_pb2.ProbeLinkResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -42,3 +42,12 @@ def test_double_free_and_sharing_a_free_block_are_errors():
         pool.incref([1])
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(0)
+
+
+def test_a_freed_run_comes_back_in_ascending_order():
+    """KV copies of consecutive ascending blocks are one strided copy (see PagedKVCache.write_blocks)."""
+    pool = BlockPool(8)
+    first = pool.allocate(5)
+    pool.allocate(2)
+    pool.free(first)
+    assert pool.allocate(5) == [0, 1, 2, 3, 4]
