@@ -153,6 +153,7 @@ class KVHandoffMixin:
                 f"{len(prompt_ids) + len(output_token_ids)} tokens"
             )
         request = self._new_request(request_id, prompt_ids, sampling, output_ids=output_token_ids)
+        request.imported, request.num_imported_tokens = True, len(output_token_ids)
         request.block_ids = self.reservations.take(request_id).block_ids
         request.num_computed_tokens = reservation.num_tokens
         if request.generator is not None and generator_state is not None:

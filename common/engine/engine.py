@@ -16,6 +16,7 @@ The engine is not thread-safe: one caller drives it (a service runs it in one th
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -26,6 +27,7 @@ import torch
 from common.engine import attention
 from common.engine.block_pool import BlockPool, NoFreeBlocksError
 from common.engine.config import EngineConfig
+from common.engine.counters import EngineCounters, RequestTimings
 from common.engine.cpu_linear import pack_linear_layers, packing_supported
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.disagg import KVHandoffMixin
@@ -101,6 +103,8 @@ class LLMEngine(KVHandoffMixin):
         self.reservations = ReservationTable(self.block_pool, config.block_size)
         self.kv_layer_sink = kv_layer_sink
         self._requests: dict[str, Request] = {}  # every request not yet finished and reported
+        self.counters = EngineCounters()
+        self._left: list[RequestTimings] = []  # requests that left since the last drain_timings()
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
             loaded.model_dir, num_blocks, config.block_size,
@@ -202,14 +206,28 @@ class LLMEngine(KVHandoffMixin):
         request = self._requests.pop(request_id, None)
         if request is None:
             return self.reservations.release(request_id)
-        if request.status is RequestStatus.PREFILLED:
+        if request.status is RequestStatus.PREFILLED:  # its timings were recorded when it was prefilled
             self.block_pool.free(request.block_ids)
             request.block_ids = []
         else:
             self.scheduler.remove(request)
+            self._record_left(request, "abort")
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.ABORT
         return True
+
+    def drain_timings(self) -> list[RequestTimings]:
+        """Stage times of the requests that left the engine since the last call (oldest first)."""
+        left, self._left = self._left, []
+        return left
+
+    def _record_left(self, request: Request, reason: str) -> None:
+        t = request.times
+        self._left.append(RequestTimings(
+            request.request_id, t.arrival_s, t.first_scheduled_s, t.first_token_s, time.monotonic(),
+            len(request.prompt_token_ids), len(request.output_token_ids) - request.num_imported_tokens, reason,
+            request.imported,
+        ))  # fmt: skip
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -228,8 +246,15 @@ class LLMEngine(KVHandoffMixin):
         """Run one scheduled forward pass; returns an output for every request that produced something."""
         self.reservations.expire()
         sched = self.scheduler.schedule()
+        self.counters.num_preemptions += len(sched.preempted)
         if not sched.scheduled:
             return []
+        now = time.monotonic()
+        for request, _ in sched.scheduled:
+            if request.times.first_scheduled_s is None:
+                request.times.first_scheduled_s = now
+                if not request.imported:  # no prefix cache yet: every prompt token is looked up and missed
+                    self.counters.num_prefix_cache_queries += len(request.prompt_token_ids)
         batch = self.runner.prepare(sched.scheduled)
         if self.kv_layer_sink is not None:
             completing = [r for r, n in sched.scheduled if r.prefill_only and r.num_computed_tokens + n == r.num_tokens]
@@ -258,6 +283,11 @@ class LLMEngine(KVHandoffMixin):
         request.all_token_ids.append(token)
         request.pending_token_ids.append(token)
         request.pending_logprobs.append(logprobs)
+        self.counters.num_generation_tokens += 1
+        if request.times.first_token_s is None:
+            request.times.first_token_s = time.monotonic()
+            if not request.imported:
+                self.counters.num_prompt_tokens += len(request.prompt_token_ids)
         sp = request.sampling
         if (not sp.ignore_eos and token in request.eos_token_ids) or token in sp.stop_token_ids:
             self._finish(request, FinishReason.STOP)  # the stop token itself is never detokenized
@@ -269,6 +299,7 @@ class LLMEngine(KVHandoffMixin):
         elif request.prefill_only:
             self.scheduler.remove(request, free_blocks=False)
             request.status = RequestStatus.PREFILLED
+            self._record_left(request, "prefilled")
 
     def _emit_text(self, request: Request, delta: str) -> bool:
         """Pass detokenized text through the stop-string matcher; True if a stop string ended it."""
@@ -289,6 +320,7 @@ class LLMEngine(KVHandoffMixin):
         self.scheduler.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._record_left(request, reason.value)
 
     def _report(self, request: Request) -> RequestOutput | None:
         if not (request.pending_token_ids or request.pending_text or request.is_finished):
@@ -303,6 +335,8 @@ class LLMEngine(KVHandoffMixin):
             new_logprobs=request.pending_logprobs if wants_logprobs else None,
             prefilled=request.status is RequestStatus.PREFILLED,
         )
+        if out.finished or out.prefilled:
+            out.times = request.times
         request.pending_token_ids, request.pending_text, request.pending_logprobs = [], "", []
         if request.is_finished:
             self._requests.pop(request.request_id, None)

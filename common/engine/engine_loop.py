@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from common.engine.counters import RequestTimings
 from common.engine.request import FinishReason, RequestOutput
 
 if TYPE_CHECKING:
@@ -48,6 +49,11 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     kv_blocks_reserved: int = 0
+    num_prompt_tokens: int = 0  # cumulative counters: see common.engine.counters.EngineCounters
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
 
 class RequestStream:
@@ -85,8 +91,17 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, *, name: str = "engine-loop") -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        name: str = "engine-loop",
+        on_request_finished: Callable[[RequestTimings], None] | None = None,
+    ) -> None:
+        """``on_request_finished`` gets each request's stage times when it leaves the engine (finished,
+        aborted or prefilled); it runs on the engine thread between steps, so it must be quick."""
         self.engine = engine
+        self.on_request_finished = on_request_finished
         self._calls: queue.Queue[tuple[Callable, Future]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._stopping = threading.Event()
@@ -206,12 +221,24 @@ class EngineLoop:
 
     def _snapshot(self) -> None:
         e = self.engine
+        for timings in e.drain_timings():
+            if self.on_request_finished is not None:
+                try:
+                    self.on_request_finished(timings)
+                except Exception:  # noqa: BLE001 - metrics must never stop the engine
+                    log.exception("on_request_finished failed")
+        c = e.counters
         self.stats = EngineStats(
             num_requests_running=e.num_requests_running,
             num_requests_waiting=e.num_requests_waiting,
             kv_blocks_used=e.block_pool.num_used_blocks,
             kv_blocks_total=e.block_pool.num_blocks,
             kv_blocks_reserved=e.reservations.num_reserved_blocks,
+            num_prompt_tokens=c.num_prompt_tokens,
+            num_generation_tokens=c.num_generation_tokens,
+            num_preemptions=c.num_preemptions,
+            num_prefix_cache_queries=c.num_prefix_cache_queries,
+            num_prefix_cache_hits=c.num_prefix_cache_hits,
         )
 
     def _shutdown(self) -> None:

@@ -17,10 +17,12 @@ Preemption (blocks ran out) sends a RUNNING request back to WAITING with its blo
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from common.engine.counters import RequestTimes
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
@@ -61,6 +63,9 @@ class Request:
     pending_text: str = ""  # emitted text not yet reported in a RequestOutput
     pending_token_ids: list[int] = field(default_factory=list)  # sampled tokens not yet reported
     pending_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    imported: bool = False  # admitted with its KV from another engine (no prompt compute here)
+    num_imported_tokens: int = 0  # output tokens sampled by that other engine
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -90,6 +95,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     new_logprobs: list[TokenLogprobs | None] | None = None
     prefilled: bool = False  # a prefill_only request's KV is ready for export_kv
+    times: RequestTimes | None = None  # its stage times, on the output that finishes it (or says prefilled)
 
 
 @dataclass

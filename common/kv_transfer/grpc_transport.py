@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -99,6 +99,8 @@ class PushResult:
     seconds: float  # from the first chunk queued to the acknowledgement
     error: str = ""
     code: grpc.StatusCode | None = None
+    # Unix time of the acknowledgement (or the failure); ``finished_at - seconds``: the first chunk queued.
+    finished_at: float = field(default_factory=time.time)
 
 
 class GrpcKVSender:
@@ -111,9 +113,11 @@ class GrpcKVSender:
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         timeout_s: float = 60.0,
         corrupt_chunk_seq: int | None = None,
+        metadata: list[tuple[str, str]] | None = None,
     ) -> None:
-        """``corrupt_chunk_seq`` is a test-only fault: that chunk's payload gets one byte flipped after its
-        checksum was computed, so the receiver must reject it."""
+        """``metadata``: of the PushKv call (the trace context). ``corrupt_chunk_seq`` is a test-only fault:
+        that chunk's payload gets one byte flipped after its checksum was computed, so the receiver must
+        reject it."""
         self.request_id = request_id
         self.num_layers = num_layers
         self.max_chunk_bytes = max_chunk_bytes
@@ -130,7 +134,7 @@ class GrpcKVSender:
             request_serializer=lambda message: message,
             response_deserializer=worker_pb2.PushKvResponse.FromString,
         )
-        self._call = push.future(self._requests(), timeout=timeout_s)
+        self._call = push.future(self._requests(), timeout=timeout_s, metadata=metadata)
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue one layer's KV ``[n, bs, H, D]`` (tensors owned by the sender from now on)."""

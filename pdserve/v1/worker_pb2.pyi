@@ -27,7 +27,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., kv_target_address: _Optional[str] = ..., decode_identity: _Optional[_Union[_types_pb2.ModelIdentity, _Mapping]] = ..., kv_shm_address: _Optional[str] = ..., kv_target_host: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "generator_state", "num_kv_tokens", "kv_bytes", "kv_transfer_seconds", "prefill_seconds")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "generator_state", "num_kv_tokens", "kv_bytes", "kv_transfer_seconds", "prefill_seconds", "queued_at", "prefill_started_at", "first_token_at", "kv_transfer_started_at", "kv_transfer_finished_at")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,11 @@ class PrefillResponse(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_AT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_AT_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
@@ -46,7 +51,12 @@ class PrefillResponse(_message.Message):
     kv_bytes: int
     kv_transfer_seconds: float
     prefill_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., generator_state: _Optional[bytes] = ..., num_kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    queued_at: float
+    prefill_started_at: float
+    first_token_at: float
+    kv_transfer_started_at: float
+    kv_transfer_finished_at: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., generator_state: _Optional[bytes] = ..., num_kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., queued_at: _Optional[float] = ..., prefill_started_at: _Optional[float] = ..., first_token_at: _Optional[float] = ..., kv_transfer_started_at: _Optional[float] = ..., kv_transfer_finished_at: _Optional[float] = ...) -> None: ...
 
 class CancelPrefillRequest(_message.Message):
     __slots__ = ("request_id",)
