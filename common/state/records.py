@@ -142,6 +142,17 @@ class RequestRecord:
     finish_reason: str = ""
     error: str = ""
     route_reason: str = ""  # why the router chose these workers
+    trace_id: str = ""  # OpenTelemetry trace id (32 hex) of the request, "" = none
+    # Stage times, unix s, 0.0 = not reached (``created_at`` is when the router received it); `pdserve trace`.
+    routed_at: float = 0.0  # KV reserved on the decode worker, prefill worker chosen
+    queued_at: float = 0.0  # joined the prefill worker's engine queue
+    prefill_started_at: float = 0.0  # first scheduled on the prefill worker
+    prefill_finished_at: float = 0.0  # first token sampled on the prefill worker
+    kv_transfer_started_at: float = 0.0  # first KV chunk queued by the prefill worker
+    kv_transfer_finished_at: float = 0.0  # the decode worker acknowledged the whole KV
+    first_token_at: float = 0.0  # first token sent to the client
+    decode_started_at: float = 0.0  # the router asked the decode worker to continue
+    last_token_at: float = 0.0  # last token sent to the client
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -1,13 +1,16 @@
 """``pdserve up``: the whole cluster as local processes: Redis, prefill and decode workers, the router.
 
-    pdserve up [--model DIR] [--prefill N] [--decode M] [--redis-url URL] [--port P]
+    pdserve up [--model DIR] [--prefill N] [--decode M] [--redis-url URL] [--port P] [--http-port H]
 
 Without ``--model`` it builds (once) and serves the embedded tiny model. Without ``--redis-url`` it starts
-a ``redis-server`` on a free port. Every service gets a free port (the router ``--port`` if given). When
+a ``redis-server`` on a free port. Every service gets free ports (the router ``--port`` and ``--http-port``
+if given; each worker's ``/metrics`` port is listed by ``pdserve status --json``). When
 every service answers its gRPC health check and the router has had time to see every worker in the
 registry, it prints one line on stdout:
 
-    pdserve ready: ROUTER_ADDRESS prefill=N decode=M redis=URL logs=DIR
+    pdserve ready: ROUTER_ADDRESS prefill=N decode=M redis=URL logs=DIR http=ROUTER_HTTP_ADDRESS
+
+(``http=``: the router's HTTP front, ``/metrics``, ``/healthz``, ``/readyz``; later keys may be appended.)
 
 Ctrl-C or SIGTERM stops everything it started (router, workers, Redis, in that order) and exits 0; no
 process is left behind, even if ``up`` itself is killed (children get SIGTERM when their parent dies). A
@@ -37,6 +40,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     p.add_argument("--port", type=int, default=None, help="router gRPC port (default: a free one)")
+    p.add_argument("--http-port", type=int, default=None, help="router HTTP port (default: a free one)")
     p.add_argument("--log-dir", default=None, help="where each service writes its log (default: a temp dir)")
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every worker, e.g. --worker-arg=--kv-cache-memory=1e9 (repeatable)")
@@ -75,9 +79,10 @@ def up(args: argparse.Namespace) -> int:
                     argv += ["--kv-shm-dir", str(log_dir / "kv")]
                 sup.spawn(name, argv, log_path=log_dir / f"{name}.log")
                 endpoints[name] = f"127.0.0.1:{port}"
-        router_port = args.port or free_port()
-        sup.spawn("router", [*py, "router", "--model", model, "--port", str(router_port), "--redis-url", redis_url,
-                             *args.router_arg], log_path=log_dir / "router.log")
+        router_port, http_port = args.port or free_port(), args.http_port or free_port()
+        router_argv = [*py, "router", "--model", model, "--port", str(router_port), "--http-port", str(http_port),
+                       "--redis-url", redis_url, *args.router_arg]
+        sup.spawn("router", router_argv, log_path=log_dir / "router.log")
         endpoints["router"] = f"127.0.0.1:{router_port}"
 
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -95,7 +100,7 @@ def up(args: argparse.Namespace) -> int:
             print("pdserve up: the workers did not all appear in the registry", file=sys.stderr)
             return 1
         print(f"pdserve ready: {endpoints['router']} prefill={args.prefill} decode={args.decode} "
-              f"redis={redis_url} logs={log_dir}", flush=True)
+              f"redis={redis_url} logs={log_dir} http=127.0.0.1:{http_port}", flush=True)
         reported: set[str] = set()
         while not stop.wait(0.5):
             for proc in sup.processes:

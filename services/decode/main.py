@@ -11,11 +11,11 @@ from common.engine.identity import ModelIdentity
 from common.kv_transfer.shm import ShmKVReceiver
 from services.decode.servicer import SERVICE_NAME, DecodeServicer, add_to_server
 from services.worker.config import WorkerConfig
-from services.worker.runtime import WorkerParts, serve_worker
+from services.worker.runtime import WorkerObs, WorkerParts, serve_worker
 
 
 def make_parts(config: WorkerConfig):
-    def make(loop: EngineLoop, identity: ModelIdentity) -> WorkerParts:
+    def make(loop: EngineLoop, identity: ModelIdentity, obs: WorkerObs) -> WorkerParts:
         own_dir = not config.kv_shm_dir
         shm_dir = tempfile.mkdtemp(prefix="pdserve-kv-") if own_dir else config.kv_shm_dir  # 0700 when made here
         if config.kv_shm:
@@ -35,13 +35,23 @@ def make_parts(config: WorkerConfig):
             default_max_tokens=config.default_max_tokens,
             max_lease_s=config.kv_lease_s,
             shm_receiver=shm,
+            metrics=obs.metrics,
+            tracing=obs.tracing,
         )
+
+        def details() -> dict:
+            stats = loop.stats
+            return {"kv_cache_usage": round(stats.kv_blocks_used / max(1, stats.kv_blocks_total), 4),
+                    "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total,
+                    "kv_reservations": servicer.num_reservations}
+
         return WorkerParts(
             add_to_server=lambda server: add_to_server(servicer, server),
             service_names=[SERVICE_NAME],
             tick=servicer.expire_leases,
             num_inflight=lambda: servicer.num_reservations,
             on_stop=stop,
+            details=details,
         )
 
     return make

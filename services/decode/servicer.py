@@ -30,6 +30,8 @@ from common.engine.identity import ModelIdentity
 from common.kv_transfer.connector import KVReceiver, TransferState
 from common.kv_transfer.grpc_transport import chunk_of_push_kv_request, size_of_probe_link_request
 from common.kv_transfer.wire import TransferAssembler, WireFormatError, decode_header
+from common.metrics.worker import WorkerMetrics
+from common.obs import Tracing, call_scope
 from common.rpc import convert
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -69,6 +71,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         max_lease_s: float = 60.0,
         stream_timeout_s: float = 600.0,
         shm_receiver: KVReceiver | None = None,
+        metrics: WorkerMetrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         """``shm_receiver``: a same-host shared-memory KV endpoint offered to prefill workers besides PushKv."""
         self.loop = loop
@@ -80,11 +84,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self._reservations: dict[str, _Reservation] = {}
         self._lock = threading.Lock()  # guards the dict, not the reservations
         self.shm_receiver = shm_receiver
+        self.metrics = metrics
+        self.tracing = tracing or Tracing("pdserve-decode", environ={})
         self.host = socket.gethostname()
 
     # -- ReserveKv ----------------------------------------------------------------------------------------
 
     def ReserveKv(self, request, context):
+        with call_scope(self.tracing, "decode.ReserveKv", request.request_id, context):
+            return self._reserve_kv(request, context)
+
+    def _reserve_kv(self, request, context):
         rid = request.request_id
         if request.HasField("identity"):
             problems = self.identity.mismatches(convert.identity_from_proto(request.identity))
@@ -123,13 +133,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         return self.shm_receiver is not None and self.shm_receiver.poll(reservation.request_id) is TransferState.DONE
 
     def _writer(self, reservation: _Reservation):
+        """The write function of a reservation's transfer (either transport): checked chunks land here."""
         kv_cache = self.loop.engine.kv_cache
+        metrics = self.metrics
 
         def write(layer: int, first_block: int, k, v) -> None:
             with reservation.lock:
                 if reservation.released:
                     raise WireFormatError(f"request {reservation.request_id}: reservation already released")
                 kv_cache.write_blocks(layer, reservation.block_ids[first_block : first_block + k.shape[0]], k, v)
+            if metrics is not None:
+                metrics.count_kv_received(k.nbytes + v.nbytes)
 
         return write
 
@@ -188,6 +202,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     # -- Decode -------------------------------------------------------------------------------------------
 
     def Decode(self, request, context):
+        with call_scope(self.tracing, "decode.Decode", request.request_id, context):
+            yield from self._decode(request, context)
+
+    def _decode(self, request, context):
         rid = request.request_id
         with self._lock:
             reservation = self._reservations.get(rid)

@@ -7,13 +7,13 @@ from common.engine.identity import ModelIdentity
 from pdserve.v1 import worker_pb2_grpc
 from services.prefill.servicer import PrefillServicer
 from services.worker.config import WorkerConfig
-from services.worker.runtime import WorkerParts, serve_worker
+from services.worker.runtime import WorkerObs, WorkerParts, serve_worker
 
 SERVICE_NAME = "pdserve.v1.PrefillService"
 
 
 def make_parts(config: WorkerConfig):
-    def make(loop: EngineLoop, identity: ModelIdentity) -> WorkerParts:
+    def make(loop: EngineLoop, identity: ModelIdentity, obs: WorkerObs) -> WorkerParts:
         servicer = PrefillServicer(
             loop,
             identity,
@@ -23,12 +23,15 @@ def make_parts(config: WorkerConfig):
             chunk_bytes=config.kv_chunk_bytes,
             corrupt_chunk_seq=config.test_corrupt_kv_chunk,
             kv_transport=config.kv_transport,
+            metrics=obs.metrics,
+            tracing=obs.tracing,
         )
         return WorkerParts(
             add_to_server=lambda server: worker_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),
             service_names=[SERVICE_NAME],
             num_inflight=lambda: servicer.num_inflight,
             on_stop=servicer.close,
+            details=lambda: {"queue": loop.stats.num_requests_waiting, "kv_transfers_in_flight": servicer.num_inflight},
         )
 
     return make

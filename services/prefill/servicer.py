@@ -23,11 +23,14 @@ import time
 
 import grpc
 
+from common.engine.counters import unix_time_of
 from common.engine.engine_loop import EngineLoop, StreamClosed
 from common.engine.identity import ModelIdentity
 from common.kv_transfer.connector import KVSender
 from common.kv_transfer.grpc_transport import GrpcKVSender, PushResult
 from common.kv_transfer.shm import ShmKVSender
+from common.metrics.worker import WorkerMetrics
+from common.obs import Tracing, call_scope
 from common.rpc import convert
 from common.rpc.server import channel
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -48,6 +51,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         prefill_timeout_s: float = 600.0,
         corrupt_chunk_seq: int | None = None,
         kv_transport: str = "grpc",
+        metrics: WorkerMetrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         """``kv_transport``: "grpc", or "shm" to use shared memory with decode workers on this host."""
         self.loop = loop
@@ -59,6 +64,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.prefill_timeout_s = prefill_timeout_s
         self.corrupt_chunk_seq = corrupt_chunk_seq
         self.kv_transport = kv_transport
+        self.metrics = metrics
+        self.tracing = tracing or Tracing("pdserve-prefill", environ={})
         self.host = socket.gethostname()
         self._senders: dict[str, GrpcKVSender | _ConnectorRequest] = {}
         self._channels: dict[str, grpc.Channel] = {}
@@ -82,6 +89,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         return len(self._senders)
 
     def Prefill(self, request, context):
+        with call_scope(self.tracing, "prefill.Prefill", request.request_id, context):
+            return self._handle_prefill(request, context)
+
+    def _handle_prefill(self, request, context):
         rid = request.request_id
         if request.HasField("decode_identity"):
             problems = self.identity.mismatches(convert.identity_from_proto(request.decode_identity))
@@ -125,6 +136,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             logprobs=convert.logprobs_to_proto(out.new_logprobs),
             prefill_seconds=prefill_s,
         )
+        if out.times is not None:
+            response.queued_at = unix_time_of(out.times.arrival_s)
+            response.prefill_started_at = unix_time_of(out.times.first_scheduled_s)
+            response.first_token_at = unix_time_of(out.times.first_token_s)
         if out.finished:  # generation ended at the first token: decode is not needed
             sender.abort()
             response.finish_reason = convert.finish_reason_to_proto(out.finish_reason)
@@ -134,6 +149,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             handoff = self.loop.call(lambda e: e.export_kv(rid, with_kv=False))  # frees the blocks here
         except ValueError as exc:  # aborted meanwhile
             context.abort(grpc.StatusCode.CANCELLED, str(exc))
+        transport = "shm" if isinstance(sender, _ConnectorRequest) else "grpc"
+        if self.metrics is not None:
+            if result.ok:
+                self.metrics.observe_kv_sent(transport, result.seconds, result.num_bytes)
+            else:
+                self.metrics.count_kv_failure((result.code or grpc.StatusCode.UNAVAILABLE).name)
         if not result.ok:
             log.warning("KV transfer of %s to %s failed: %s", rid, request.kv_target_address, result.error)
             context.abort(
@@ -145,6 +166,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         response.num_kv_tokens = handoff.num_kv_tokens
         response.kv_bytes = result.num_bytes
         response.kv_transfer_seconds = result.seconds
+        response.kv_transfer_started_at = result.finished_at - result.seconds
+        response.kv_transfer_finished_at = result.finished_at
         return response
 
     def _sender_for(self, rid: str, request) -> GrpcKVSender | _ConnectorRequest:
@@ -160,6 +183,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             max_chunk_bytes=self.chunk_bytes,
             timeout_s=self.transfer_timeout_s + self.prefill_timeout_s,
             corrupt_chunk_seq=self.corrupt_chunk_seq,
+            metadata=self.tracing.outgoing_metadata(),
         )
 
     def _shm_sender(self, address: str) -> ShmKVSender | None:

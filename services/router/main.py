@@ -7,10 +7,13 @@ import signal
 import threading
 from collections.abc import Callable
 
+from common.metrics.http import HttpFront
+from common.metrics.router import RouterMetrics
+from common.obs import Tracing
 from common.rpc.server import build_server
 from common.state.records import RequestStore
 from common.state.redis_client import connect
-from common.state.registry import WorkerRegistry
+from common.state.registry import WORKER_ROLES, WorkerRegistry
 from pdserve.v1 import generate_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.registry_view import RegistryView
@@ -47,30 +50,51 @@ def run(
     config: RouterConfig,
     *,
     stop_event: threading.Event | None = None,
-    on_ready: Callable[[str], None] | None = None,
+    on_ready: Callable[[str, str], None] | None = None,
 ) -> int:
+    """Serve until SIGTERM/SIGINT (or ``stop_event``). ``on_ready(address, http_address)`` is called once the
+    gRPC API and the HTTP front (``/metrics``, ``/healthz``, ``/readyz``) serve."""
     stop_event = stop_event or threading.Event()
     model = load_model_info(config)
     redis = connect(config.redis_url)
     view = RegistryView(WorkerRegistry(redis, prefix=config.redis_prefix), refresh_s=config.registry_refresh_s)
     view.start()
     records = RequestStore(redis, prefix=config.redis_prefix, finished_ttl_s=config.record_ttl_s)
-    servicer = RouterServicer(model, view, records, config)
+    metrics = RouterMetrics(view.all_workers, lambda: not view.degraded)
+    tracing = Tracing("pdserve-router", config.otlp_endpoint)
+    servicer = RouterServicer(model, view, records, config, metrics, tracing)
     server, port, health = build_server(
         lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s),
         [SERVICE_NAME], host=config.host, port=config.port, max_workers=64,
     )  # fmt: skip
+
+    def not_ready() -> list[str]:
+        reasons = ["stopping"] if stop_event.is_set() else []
+        for role in WORKER_ROLES:
+            if not view.workers(role):
+                reasons.append(f"no ready {role} worker in the registry")
+        return reasons
+
+    def details() -> dict:
+        return {"redis": "degraded" if view.degraded else "ok",
+                **{f"{role}_workers": len(view.workers(role)) for role in WORKER_ROLES}}
+
+    http = HttpFront(config.host, config.http_port)
+    http.add_observability(metrics.registry, not_ready, details)
+    http.start()
     server.start()
     health.set_serving(True)
     address = f"{config.host}:{port}"
-    log.info("router serving on %s (model %s)", address, config.model)
+    log.info("router serving on %s, HTTP on %s (model %s)", address, http.address, config.model)
     if on_ready is not None:
-        on_ready(address)
+        on_ready(address, http.address)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop_event.set())
     stop_event.wait()
     health.set_serving(False)
     server.stop(grace=5.0).wait(10.0)
+    http.stop()
     view.stop()
+    tracing.shutdown()
     return 0

@@ -20,7 +20,8 @@ class RegistryView:
     def __init__(self, registry: WorkerRegistry, *, refresh_s: float = 0.5) -> None:
         self.registry = registry
         self.refresh_s = refresh_s
-        self._workers: list[WorkerInfo] = []
+        self._workers: list[WorkerInfo] = []  # ready ones: what requests may go to
+        self._all: list[WorkerInfo] = []  # every live entry, draining ones too (for metrics)
         self.updated_at_s = 0.0  # monotonic time of the last successful read
         self.degraded = False
         self._stop = threading.Event()
@@ -37,7 +38,12 @@ class RegistryView:
             self._thread.join(5.0)
 
     def workers(self, role: str | None = None) -> list[WorkerInfo]:
+        """The ready workers (of ``role``), as of the last successful read."""
         return [w for w in self._workers if role is None or w.role == role]
+
+    def all_workers(self) -> list[WorkerInfo]:
+        """Every live registry entry, ready or draining, as of the last successful read."""
+        return list(self._all)
 
     def refresh(self) -> bool:
         """Re-read the registry now; False (and the old view kept) if Redis did not answer."""
@@ -51,6 +57,7 @@ class RegistryView:
             return False
         if self.degraded:
             log.info("registry reachable again: %d workers", len(workers))
+        self._all = list(workers)
         self._workers = [w for w in workers if w.state == "ready"]
         self.updated_at_s = time.monotonic()
         self.degraded = False

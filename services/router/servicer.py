@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.metrics.router import RequestTimer, RouterMetrics
+from common.obs import Tracing, call_scope, trace_id_of
 from common.rpc import convert
 from common.rpc.server import channel
 from common.state.records import RequestRecord, RequestStore
@@ -61,11 +63,21 @@ class HandoffError(Exception):
 
 
 class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, model: ModelInfo, view: RegistryView, records: RequestStore, config: RouterConfig) -> None:
+    def __init__(
+        self,
+        model: ModelInfo,
+        view: RegistryView,
+        records: RequestStore,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        tracing: Tracing,
+    ) -> None:
         self.model = model
         self.view = view
         self.records = records
         self.config = config
+        self.metrics = metrics
+        self.tracing = tracing
         self.tracker = LoadTracker()
         self._channels: dict[str, grpc.Channel] = {}
 
@@ -77,7 +89,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # -- validation ---------------------------------------------------------------------------------------
 
-    def _prompt_ids(self, request, context) -> list[int]:
+    def _prompt_ids(self, request) -> list[int]:
+        """The prompt as token ids; ValueError naming what is wrong with it."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
             ids = list(self.model.tokenizer(request.text)["input_ids"]) if request.text else []
@@ -86,54 +99,62 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         else:
             ids = []
         if not ids:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+            raise ValueError("prompt is empty")
         if len(ids) >= self.model.max_model_len:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt has {len(ids)} tokens; the model's context is {self.model.max_model_len} tokens",
-            )
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.model.max_model_len} tokens")
         bad = next((t for t in ids if t >= self.model.vocab_size), None)
         if bad is not None:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt token id {bad} is outside the vocabulary [0, {self.model.vocab_size})",
-            )
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.model.vocab_size})")
         return ids
 
     # -- Generate -----------------------------------------------------------------------------------------
 
     def Generate(self, request, context) -> Iterator[generate_pb2.GenerateResponse]:
-        prompt_ids = self._prompt_ids(request, context)
+        rid = request.request_id or uuid.uuid4().hex
+        with call_scope(self.tracing, "router.Generate", rid, context) as span:
+            yield from self._generate(rid, request, context, trace_id_of(span))
+
+    def _generate(self, rid: str, request, context, trace_id: str):
         try:
+            prompt_ids = self._prompt_ids(request)
             sampling = convert.sampling_from_proto(request.sampling, self.model.generation_config,
                                                    self.config.default_max_tokens)
             sampling.validate(self.model.vocab_size)
         except ValueError as exc:
+            self.metrics.start_request(0).fail(grpc.StatusCode.INVALID_ARGUMENT.name)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        rid = request.request_id or uuid.uuid4().hex
-        remaining = context.time_remaining()  # ~9e18 when the client set no deadline
-        deadline_s = time.monotonic() + min(remaining or self.config.request_timeout_s, self.config.request_timeout_s)
-        self._record_create(rid, len(prompt_ids))
-        excluded: set[str] = set()
-        last_error: HandoffError | None = None
-        for attempt in range(self.config.max_retries + 1):
-            try:
-                yield from self._serve(rid, prompt_ids, request.sampling, deadline_s, excluded, context)
-                return
-            except HandoffError as exc:
-                if not exc.worker_id and last_error is not None:  # no other pair: report the real failure
-                    last_error = HandoffError(last_error.code, f"{last_error} (no other worker pair to retry on)",
-                                              last_error.worker_id)
-                    break
-                last_error = exc
-                excluded.add(exc.worker_id)
-                log.warning("request %s attempt %d failed: %s", rid, attempt + 1, exc)
-                if exc.code not in _RETRYABLE or time.monotonic() >= deadline_s:
-                    break
-        self._record_finish(rid, "failed", error=str(last_error))
-        context.abort(last_error.code, str(last_error))
+        timer = self.metrics.start_request(len(prompt_ids))
+        try:
+            remaining = context.time_remaining()  # ~9e18 when the client set no deadline
+            timeout_s = min(remaining or self.config.request_timeout_s, self.config.request_timeout_s)
+            deadline_s = time.monotonic() + timeout_s
+            self._record_create(rid, len(prompt_ids), trace_id)
+            excluded: set[str] = set()
+            last_error: HandoffError | None = None
+            for attempt in range(self.config.max_retries + 1):
+                try:
+                    yield from self._serve(rid, prompt_ids, request.sampling, deadline_s, excluded, context, timer)
+                    return
+                except HandoffError as exc:
+                    if not exc.worker_id and last_error is not None:  # no other pair: report the real failure
+                        last_error = HandoffError(last_error.code,
+                                                  f"{last_error} (no other worker pair to retry on)",
+                                                  last_error.worker_id)  # fmt: skip
+                        break
+                    last_error = exc
+                    excluded.add(exc.worker_id)
+                    log.warning("request %s attempt %d failed: %s", rid, attempt + 1, exc)
+                    if exc.code not in _RETRYABLE or time.monotonic() >= deadline_s:
+                        break
+                    if attempt < self.config.max_retries:
+                        self.metrics.retries.labels(exc.code.name).inc()
+            self._record_finish(rid, "failed", timer, error=str(last_error))
+            timer.fail(last_error.code.name)
+            context.abort(last_error.code, str(last_error))
+        finally:
+            timer.fail(grpc.StatusCode.CANCELLED.name)  # the client went away (no-op once the request ended)
 
-    def _serve(self, rid, prompt_ids, sampling_msg, deadline_s, excluded, context):
+    def _serve(self, rid, prompt_ids, sampling_msg, deadline_s, excluded, context, timer: RequestTimer):
         """One attempt on one worker pair. Raises HandoffError before the first token reaches the client;
         after that, a failure aborts the call (mid-stream migration is a later feature)."""
         workers = self.view.workers()
@@ -152,25 +173,26 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.tracker.acquire(d.id)
         self.tracker.acquire(p.id)
         prefill_released = False
+        metadata = self.tracing.outgoing_metadata()
         try:
             # 2. reserve on decode
             try:
                 reserved = decode_stub.ReserveKv(
                     worker_pb2.ReserveKvRequest(request_id=rid, num_tokens=len(prompt_ids),
                                                 lease_seconds=self.config.kv_lease_s),
-                    timeout=min(10.0, max(0.1, deadline_s - time.monotonic())),
+                    timeout=min(10.0, max(0.1, deadline_s - time.monotonic())), metadata=metadata,
                 )
             except grpc.RpcError as exc:
                 raise HandoffError(exc.code(), f"decode worker {d.id} could not reserve KV: {exc.details()}", d.id)
             self._record_update(rid, status="prefilling", decode_worker_id=d.id, prefill_worker_id=p.id,
-                                route_reason=f"{decode.reason}; {prefill.reason}")
+                                route_reason=f"{decode.reason}; {prefill.reason}", routed_at=time.time())
             # 3. prefill, KV to decode
             try:
                 first = prefill_stub.Prefill(
                     worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
                                               kv_target_address=d.address, decode_identity=reserved.identity,
                                               kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host),
-                    timeout=max(0.1, deadline_s - time.monotonic()),
+                    timeout=max(0.1, deadline_s - time.monotonic()), metadata=metadata,
                 )
             except grpc.RpcError as exc:
                 self._release(decode_stub, rid)
@@ -181,6 +203,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self.tracker.release(p.id)
                 prefill_released = True
             emitted = len(first.token_ids)
+            timer.on_tokens(first.token_ids)
+            stages = dict(queued_at=first.queued_at, prefill_started_at=first.prefill_started_at,
+                          prefill_finished_at=first.first_token_at, kv_transfer_started_at=first.kv_transfer_started_at,
+                          kv_transfer_finished_at=first.kv_transfer_finished_at, first_token_at=timer.first_token_at)
             yield generate_pb2.GenerateResponse(
                 request_id=rid, token_ids=first.token_ids, text=first.text, logprobs=first.logprobs,
                 prefill_worker_id=p.id, decode_worker_id=d.id,
@@ -188,15 +214,17 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             if first.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED:
                 self._release(decode_stub, rid)
                 yield self._last(rid, first.finish_reason, len(prompt_ids), emitted, p.id, d.id)
-                self._record_finish(rid, "finished", emitted, first.finish_reason)
+                self._record_update(rid, **stages)
+                self._record_finish(rid, "finished", timer, emitted, first.finish_reason)
                 return
             # 4. decode and relay
-            self._record_update(rid, status="decoding", num_tokens_emitted=emitted)
+            self._record_update(rid, status="decoding", num_tokens_emitted=emitted, decode_started_at=time.time(),
+                                **stages)
             call = decode_stub.Decode(
                 worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                          output_token_ids=first.token_ids, sampling=sampling_msg,
                                          generator_state=first.generator_state),
-                timeout=max(0.1, deadline_s - time.monotonic()),
+                timeout=max(0.1, deadline_s - time.monotonic()), metadata=metadata,
             )
             context.add_callback(call.cancel)  # the client went away: stop decoding (frees the blocks)
             finish = types_pb2.FINISH_REASON_UNSPECIFIED
@@ -205,13 +233,15 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     emitted += len(piece.token_ids)
                     finish = piece.finish_reason
                     if piece.token_ids or piece.text:
+                        timer.on_tokens(piece.token_ids)
                         yield generate_pb2.GenerateResponse(request_id=rid, token_ids=piece.token_ids,
                                                             text=piece.text, logprobs=piece.logprobs)
             except grpc.RpcError as exc:
-                self._record_finish(rid, "failed", emitted, error=exc.details() or "")
+                self._record_finish(rid, "failed", timer, emitted, error=exc.details() or "")
+                timer.fail(exc.code().name)
                 context.abort(exc.code(), f"decode worker {d.id} failed mid-stream: {exc.details()}")
             yield self._last(rid, finish, len(prompt_ids), emitted, p.id, d.id)
-            self._record_finish(rid, "finished", emitted, finish)
+            self._record_finish(rid, "finished", timer, emitted, finish)
         finally:
             self.tracker.release(d.id)
             if not prefill_released:
@@ -233,17 +263,24 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # -- request records (best effort: Redis trouble never fails a request) -------------------------------
 
-    def _record_create(self, rid: str, num_prompt: int) -> None:
+    def _record_create(self, rid: str, num_prompt: int, trace_id: str) -> None:
         self._best_effort(self.records.create, RequestRecord(request_id=rid, status="queued",
-                                                             num_prompt_tokens=num_prompt))
+                                                             num_prompt_tokens=num_prompt, trace_id=trace_id))
 
     def _record_update(self, rid: str, **fields) -> None:
         self._best_effort(self.records.update, rid, **fields)
 
-    def _record_finish(self, rid: str, status: str, emitted: int = 0, finish=None, error: str = "") -> None:
-        if emitted:
-            self._best_effort(self.records.update, rid, num_tokens_emitted=emitted)
+    def _record_finish(self, rid: str, status: str, timer: RequestTimer, emitted: int = 0, finish=None,
+                       error: str = "") -> None:
+        """The request's terminal record; finished ones also count at the router (``timer.finish``)."""
         reason = convert.finish_reason_from_proto(finish) if finish is not None else None
+        if status == "finished":
+            timer.finish(reason.value if reason else "")
+        fields = {"last_token_at": timer.last_token_at} if timer.last_token_at else {}
+        if emitted:
+            fields["num_tokens_emitted"] = emitted
+        if fields:
+            self._best_effort(self.records.update, rid, **fields)
         self._best_effort(self.records.finish, rid, status, finish_reason=reason.value if reason else "", error=error)
 
     @staticmethod

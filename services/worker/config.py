@@ -16,6 +16,7 @@ class WorkerConfig:
     device: str = field(default="cpu", metadata=_help("cpu | cuda | cuda:N"))
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
     port: int = field(default=0, metadata=_help("gRPC port (0: any free port)"))
+    metrics_port: int = field(default=0, metadata=_help("HTTP port of /metrics, /healthz, /readyz (0: any free port)"))
     advertise_host: str = field(default="", metadata=_help("host others reach this worker at (default: --host)"))
     worker_id: str = field(default="", metadata=_help("registry id (default: ROLE-HOSTNAME-PID)"))
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis holding the registry"))
@@ -39,6 +40,9 @@ class WorkerConfig:
     )
     kv_shm: bool = field(default=True, metadata=_help("decode: also take KV through shared memory on this host"))
     kv_shm_dir: str = field(default="", metadata=_help("decode: folder of its shm KV socket (default: a temp dir)"))
+    otlp_endpoint: str = field(
+        default="", metadata=_help("OTLP gRPC endpoint of traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")
+    )
     drain_timeout_s: float = field(default=30.0, metadata=_help("on SIGTERM, how long in-flight requests may finish"))
     test_corrupt_kv_chunk: int | None = field(
         default=None, metadata=_help("TEST ONLY: prefill flips a byte of this KV chunk (seq) of every request")

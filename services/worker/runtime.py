@@ -29,6 +29,9 @@ from common.engine.engine import LLMEngine
 from common.engine.engine_loop import EngineLoop
 from common.engine.identity import ModelIdentity
 from common.engine.loader import load_model
+from common.metrics.http import HttpFront
+from common.metrics.worker import WorkerMetrics
+from common.obs import Tracing
 from common.rpc.server import build_server
 from common.state.redis_client import connect, redact_url
 from common.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
@@ -36,6 +39,14 @@ from pdserve import __version__
 from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerObs:
+    """The worker's observability objects, built by :func:`serve_worker` and handed to the role's parts."""
+
+    metrics: WorkerMetrics
+    tracing: Tracing
 
 
 @dataclass
@@ -47,6 +58,7 @@ class WorkerParts:
     tick: Callable[[], None] | None = None  # called about every 0.2 s (e.g. lease expiry)
     num_inflight: Callable[[], int] | None = None  # requests still being served (for the drain)
     on_stop: Callable[[], None] | None = None  # release the role's resources (after the server stopped)
+    details: Callable[[], dict] | None = None  # the role's own figures for /healthz and /readyz
 
 
 def build_engine(config: WorkerConfig) -> LLMEngine:
@@ -59,24 +71,49 @@ def build_engine(config: WorkerConfig) -> LLMEngine:
 def serve_worker(
     role: str,
     config: WorkerConfig,
-    make_parts: Callable[[EngineLoop, ModelIdentity], WorkerParts],
+    make_parts: Callable[[EngineLoop, ModelIdentity, WorkerObs], WorkerParts],
     *,
     stop_event: threading.Event | None = None,
-    on_ready: Callable[[str], None] | None = None,
+    on_ready: Callable[[str, str], None] | None = None,
 ) -> int:
     """Run a worker until SIGTERM/SIGINT (or ``stop_event``); returns the exit status (0 after a clean drain).
 
-    ``on_ready(address)`` is called once the worker serves and is registered (tests use it).
+    ``on_ready(address, metrics_address)`` is called once the worker serves and is registered (tests use it).
+    Besides gRPC, the worker serves ``/metrics``, ``/healthz`` and ``/readyz`` over HTTP on
+    ``config.metrics_port`` (``metrics_address``).
     """
     stop_event = stop_event or threading.Event()
     engine = build_engine(config)
     identity = ModelIdentity.of_engine(engine)
-    loop = EngineLoop(engine, name=f"{role}-engine").start()
-    parts = make_parts(loop, identity)
+    heartbeater: Heartbeater | None = None
+    metrics = WorkerMetrics(role, lambda: loop.stats, lambda: heartbeater is not None and heartbeater.connected)
+    loop = EngineLoop(engine, name=f"{role}-engine", on_request_finished=metrics.observe_request).start()
+    tracing = Tracing(f"pdserve-{role}", config.otlp_endpoint)
+    parts = make_parts(loop, identity, WorkerObs(metrics, tracing))
     server, port, health = build_server(parts.add_to_server, parts.service_names, host=config.host, port=config.port)
     address = f"{config.advertise_host or config.host}:{port}"
     worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     started_at = time.time()
+
+    def not_ready() -> list[str]:
+        reasons = []
+        if stop_event.is_set():
+            reasons.append("draining: stopping, takes no new requests")
+        if heartbeater is None or not heartbeater.connected:
+            reasons.append("not registered in Redis")
+        if not loop.running:
+            reasons.append("engine loop stopped")
+        return reasons
+
+    def details() -> dict:
+        stats = loop.stats
+        return {"role": role, "id": worker_id, "num_requests_running": stats.num_requests_running,
+                "num_requests_waiting": stats.num_requests_waiting, **(parts.details() if parts.details else {})}
+
+    http = HttpFront(config.host, config.metrics_port)
+    http.add_observability(metrics.registry, not_ready, details)
+    http.start()
+    metrics_address = f"{config.advertise_host or config.host}:{http.port}"
 
     def info() -> WorkerInfo:
         stats = loop.stats
@@ -85,7 +122,7 @@ def serve_worker(
             model=identity.model_fingerprint, version=__version__,
             num_requests_running=stats.num_requests_running, num_requests_waiting=stats.num_requests_waiting,
             kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
-            started_at=started_at, updated_at=time.time(),
+            metrics_address=metrics_address, started_at=started_at, updated_at=time.time(),
             state="draining" if stop_event.is_set() else "ready",
         )  # fmt: skip
 
@@ -99,9 +136,10 @@ def serve_worker(
         log.warning("could not register in Redis at %s (%s); retrying in the background", url, exc)
     heartbeater.start()
     health.set_serving(True)
-    log.info("%s worker %s serving on %s (model %s)", role, worker_id, address, identity.model_fingerprint[:12])
+    log.info("%s worker %s serving on %s, metrics on %s (model %s)", role, worker_id, address, metrics_address,
+             identity.model_fingerprint[:12])
     if on_ready is not None:
-        on_ready(address)
+        on_ready(address, metrics_address)
 
     _install_signal_handlers(stop_event)
     while not stop_event.wait(0.2):
@@ -125,9 +163,11 @@ def serve_worker(
     while time.monotonic() < deadline and busy():
         time.sleep(0.05)
     server.stop(grace=1.0).wait(5.0)
+    http.stop()
     if parts.on_stop is not None:
         parts.on_stop()
     loop.stop()
+    tracing.shutdown()
     log.info("%s worker %s stopped", role, worker_id)
     return 0
 

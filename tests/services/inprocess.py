@@ -18,7 +18,9 @@ from tests.redis_server import RedisServer
 class Cluster:
     redis_url: str
     router: str = ""
+    router_http: str = ""  # the router's HTTP front: /metrics, /healthz, /readyz
     workers: dict[str, str] = field(default_factory=dict)  # id -> address
+    metrics: dict[str, str] = field(default_factory=dict)  # id -> HTTP address of its /metrics
 
 
 @contextmanager
@@ -33,8 +35,8 @@ def inprocess_cluster(model_dir: str, *, prefill: list[dict], decode: list[dict]
             ready = threading.Event()
             addr = {}
 
-            def on_ready(address):
-                addr["a"] = address
+            def on_ready(address, http_address):
+                addr["a"], addr["http"] = address, http_address
                 ready.set()
 
             t = threading.Thread(target=run, args=(config,), kwargs=dict(stop_event=stop, on_ready=on_ready),
@@ -43,17 +45,18 @@ def inprocess_cluster(model_dir: str, *, prefill: list[dict], decode: list[dict]
             threads.append(t)
             if not ready.wait(120):
                 raise RuntimeError(f"{name} did not start")
-            return addr["a"]
+            return addr["a"], addr["http"]
 
         try:
             for role, specs, run in (("decode", decode, decode_main.run), ("prefill", prefill, prefill_main.run)):
                 for spec in specs:
                     settings = dict(model=model_dir, redis_url=redis.url, kv_cache_memory=5e7, heartbeat_ttl_s=3.0)
                     cfg = WorkerConfig(**{**settings, **spec})
-                    cluster.workers[spec["worker_id"]] = start(run, cfg, spec["worker_id"])
-            rcfg = RouterConfig(model=model_dir, redis_url=redis.url, port=0, registry_refresh_s=0.2,
+                    wid = spec["worker_id"]
+                    cluster.workers[wid], cluster.metrics[wid] = start(run, cfg, wid)
+            rcfg = RouterConfig(model=model_dir, redis_url=redis.url, port=0, http_port=0, registry_refresh_s=0.2,
                                 **(router or {}))
-            cluster.router = start(router_main.run, rcfg, "router")
+            cluster.router, cluster.router_http = start(router_main.run, rcfg, "router")
             yield cluster
         finally:
             stop.set()

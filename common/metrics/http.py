@@ -1,0 +1,129 @@
+"""A service's HTTP front: ``/metrics`` (Prometheus), ``/healthz`` (alive), ``/readyz`` (ready for traffic).
+
+The router's front (``--http-port``) will carry the OpenAI-compatible API too, so routes are registered, not
+hard-wired: ``front.route("GET", "/v1/models", handler)``, where ``handler(request)`` gets the
+:class:`http.server.BaseHTTPRequestHandler` of the call and writes the whole response itself (helpers:
+:func:`send_json`, :func:`send_bytes`). Each call runs on its own thread.
+
+Health contract (every service):
+
+- ``GET /healthz``: 200 while the process serves HTTP at all, with ``{"status": "alive", ...details}``;
+- ``GET /readyz``: 200 ``{"status": "ready", ...details}`` when the service should get traffic (model loaded,
+  registered, not stopping), else 503 ``{"status": "not ready", "reasons": [...], ...details}``.
+
+``details`` is the service's own figures (a decode worker's KV usage, a prefill worker's queue, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[BaseHTTPRequestHandler], None]
+ReadyFn = Callable[[], list[str]]  # why the service is not ready; [] = ready
+DetailsFn = Callable[[], dict]
+
+
+def send_bytes(request: BaseHTTPRequestHandler, status: int, body: bytes, content_type: str) -> None:
+    request.send_response(status)
+    request.send_header("Content-Type", content_type)
+    request.send_header("Content-Length", str(len(body)))
+    request.end_headers()
+    if request.command != "HEAD":
+        request.wfile.write(body)
+
+
+def send_json(request: BaseHTTPRequestHandler, status: int, obj) -> None:
+    send_bytes(request, status, json.dumps(obj, separators=(",", ":")).encode(), "application/json")
+
+
+class HttpFront:
+    """An HTTP server on its own threads; start() binds (port 0 = any free port) and returns the port."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host, self.port = host, port
+        self._routes: dict[tuple[str, str], Handler] = {}
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def route(self, method: str, path: str, handler: Handler) -> None:
+        self._routes[(method.upper(), path)] = handler
+
+    def add_observability(self, registry: CollectorRegistry, ready: ReadyFn, details: DetailsFn) -> None:
+        """Register ``/metrics`` (``registry``), ``/healthz`` and ``/readyz``."""
+
+        def metrics(request):
+            send_bytes(request, 200, generate_latest(registry), CONTENT_TYPE_LATEST)
+
+        def healthz(request):
+            send_json(request, 200, {"status": "alive", **details()})
+
+        def readyz(request):
+            reasons = ready()
+            body = {"status": "not ready" if reasons else "ready", **details()}
+            if reasons:
+                body["reasons"] = reasons
+            send_json(request, 503 if reasons else 200, body)
+
+        for path, fn in (("/metrics", metrics), ("/healthz", healthz), ("/readyz", readyz)):
+            self.route("GET", path, fn)
+            self.route("HEAD", path, fn)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> int:
+        routes = self._routes
+
+        class _Request(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            server_version = "pdserve"
+
+            def _dispatch(self) -> None:
+                handler = routes.get((self.command, urlsplit(self.path).path))
+                if handler is None:
+                    known = {p for (_, p) in routes}
+                    code = 405 if urlsplit(self.path).path in known else 404
+                    send_json(self, code, {"error": {"message": f"no route {self.command} {self.path}",
+                                                     "type": "not_found" if code == 404 else "method_not_allowed",
+                                                     "code": code}})
+                    return
+                try:
+                    handler(self)
+                except (BrokenPipeError, ConnectionResetError):  # the client went away
+                    pass
+                except Exception:  # noqa: BLE001 - one broken call must not take the server down
+                    log.exception("HTTP %s %s failed", self.command, self.path)
+                    try:
+                        send_json(self, 500, {"error": {"message": "internal error", "type": "server_error",
+                                                        "code": 500}})
+                    except OSError:
+                        pass
+
+            do_GET = do_POST = do_HEAD = do_PUT = do_DELETE = _dispatch
+
+            def log_message(self, format, *args):  # noqa: A002 - the base class's name
+                log.debug("http %s - %s", self.address_string(), format % args)
+
+        self._server = ThreadingHTTPServer((self.host, self.port), _Request)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="http-front", daemon=True)
+        self._thread.start()
+        return self.port
+
+    def stop(self) -> None:
+        """Stop serving and close the socket. Idempotent."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
