@@ -30,9 +30,17 @@ run: $(TINY)/config.json
 run-engine: $(TINY)/config.json
 	$(BIN)/pdserve run --model $(TINY) --prompt "$(PROMPT)" --max-tokens 32
 
-test: $(BIN)/.installed
+test: $(BIN)/.installed build/promtool
 	$(BIN)/ruff check common pdserve tests benchmarks
 	$(BIN)/python -m pytest -q
+
+# promtool (from Debian's prometheus package) for tests/deploy; where apt-get cannot fetch it, those tests skip.
+build/promtool:
+	@mkdir -p build
+	@tmp=$$(mktemp -d) && (cd "$$tmp" && apt-get download -q prometheus && dpkg-deb -x prometheus_*.deb x) \
+		&& cp "$$tmp/x/usr/bin/promtool" $@ \
+		|| echo "promtool unavailable: apt-get download prometheus or dpkg-deb -x failed; tests/deploy skips promtool checks"; \
+		rm -rf "$$tmp"
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/engine_throughput.py
