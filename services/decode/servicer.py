@@ -29,7 +29,7 @@ from common.engine.engine_loop import EngineLoop, StreamClosed
 from common.engine.identity import ModelIdentity
 from common.kv_transfer.connector import KVReceiver, TransferState
 from common.kv_transfer.grpc_transport import chunk_of_push_kv_request, size_of_probe_link_request
-from common.kv_transfer.wire import TransferAssembler, WireFormatError, decode_header
+from common.kv_transfer.wire import TransferAssembler, WireFormatError, decode_header, header_size_bytes
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing, call_scope
 from common.rpc import convert
@@ -136,6 +136,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         """The write function of a reservation's transfer (either transport): checked chunks land here."""
         kv_cache = self.loop.engine.kv_cache
         metrics = self.metrics
+        header_bytes = header_size_bytes(reservation.request_id)  # each write() is one chunk: header + k + v
 
         def write(layer: int, first_block: int, k, v) -> None:
             with reservation.lock:
@@ -143,7 +144,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                     raise WireFormatError(f"request {reservation.request_id}: reservation already released")
                 kv_cache.write_blocks(layer, reservation.block_ids[first_block : first_block + k.shape[0]], k, v)
             if metrics is not None:
-                metrics.count_kv_received(k.nbytes + v.nbytes)
+                metrics.count_kv_received(header_bytes + k.nbytes + v.nbytes)
 
         return write
 

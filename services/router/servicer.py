@@ -276,6 +276,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         reason = convert.finish_reason_from_proto(finish) if finish is not None else None
         if status == "finished":
             timer.finish(reason.value if reason else "")
+        ttft_ms = (timer.first_token_s - timer.start_s) * 1e3 if timer.first_token_s is not None else -1.0
+        log.info("request %s %s (%s): %d tokens, TTFT %.1f ms, %.1f ms in all", rid, status,
+                 reason.value if reason else error, emitted, ttft_ms, (time.monotonic() - timer.start_s) * 1e3)
         fields = {"last_token_at": timer.last_token_at} if timer.last_token_at else {}
         if emitted:
             fields["num_tokens_emitted"] = emitted

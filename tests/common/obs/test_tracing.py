@@ -4,16 +4,15 @@ exported over OTLP/gRPC to an in-test collector."""
 from __future__ import annotations
 
 import re
-import threading
 from collections import namedtuple
 from concurrent import futures
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.trace import StatusCode
 
 from common.obs.tracing import Tracing, resolve_endpoint, span_id_of, trace_id_of
+from tests.otlp_collector import otlp_collector
 
 TRACEPARENT_RE = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")  # version-trace-parent-flags
 Metadatum = namedtuple("Metadatum", ["key", "value"])
@@ -150,41 +149,11 @@ def test_trace_continues_over_a_real_grpc_call(tracings):
     assert seen == {"trace_id": trace_id_of(router_span), "parent_id": span_id_of(router_span)}
 
 
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace collector that keeps every span it receives as a flat dict."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.spans: list[dict[str, str]] = []
-
-    def Export(self, request, context):  # the proto's method name
-        with self.lock:
-            for resource_spans in request.resource_spans:
-                attrs = {kv.key: kv.value.string_value for kv in resource_spans.resource.attributes}
-                for scope_spans in resource_spans.scope_spans:
-                    for span in scope_spans.spans:
-                        self.spans.append(
-                            {
-                                "service": attrs.get("service.name", ""),
-                                "name": span.name,
-                                "trace_id": span.trace_id.hex(),
-                                "span_id": span.span_id.hex(),
-                                "parent_span_id": span.parent_span_id.hex(),
-                            }
-                        )
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
 @pytest.fixture
 def collector():
     """``(collector, endpoint)`` of an OTLP collector on a free loopback port."""
-    sink = Collector()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield sink, f"http://127.0.0.1:{port}"
-    server.stop(grace=None)
+    with otlp_collector() as sink_and_endpoint:
+        yield sink_and_endpoint
 
 
 def test_spans_are_exported_over_otlp_with_service_names(collector):
