@@ -65,7 +65,8 @@ def test_preemptions_and_aborts_are_counted(loaded):
 
 def test_the_loop_publishes_counters_and_hands_over_timings(loaded):
     seen = []
-    loop = EngineLoop(LLMEngine(loaded, EngineConfig(num_kv_blocks=64, max_model_len=256)), on_request_finished=seen.append).start()
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, max_model_len=256))
+    loop = EngineLoop(engine, on_request_finished=seen.append).start()
     try:
         stream = loop.add_request([5, 6, 7], GREEDY)
         outs = list(stream)
