@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run run-engine test bench bench-disagg clean
+.PHONY: setup run run-engine test bench bench-disagg bench-cluster clean
 
 # torch is pinned to the CPU build that lies on these machines' disk; see README for CUDA machines.
 $(BIN)/.installed: pyproject.toml
@@ -47,6 +47,9 @@ bench: $(BIN)/.installed
 
 bench-disagg: $(BIN)/.installed
 	$(BIN)/python benchmarks/disagg_overhead.py
+
+bench-cluster: $(BIN)/.installed
+	$(BIN)/python benchmarks/cluster_reference.py
 
 clean:
 	rm -rf $(VENV) build
