@@ -7,7 +7,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-from common.metrics.http import HttpFront
+from common.http.server import HttpFront
 from common.metrics.router import RouterMetrics
 from common.obs import Tracing
 from common.rpc.server import build_server

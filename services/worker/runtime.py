@@ -29,7 +29,7 @@ from common.engine.engine import LLMEngine
 from common.engine.engine_loop import EngineLoop
 from common.engine.identity import ModelIdentity
 from common.engine.loader import load_model
-from common.metrics.http import HttpFront
+from common.http.server import HttpFront
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing
 from common.rpc.server import build_server

@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from common.metrics.http import HttpFront, send_json
+from common.http.server import HttpFront, send_json
 
 
 def fetch(url: str, method: str = "GET") -> tuple[int, str, str]:
