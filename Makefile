@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run run-engine test bench bench-disagg bench-cluster clean
+.PHONY: setup run run-engine test bench bench-disagg bench-cluster bench-http clean
 
 # torch is pinned to the CPU build that lies on these machines' disk; see README for CUDA machines.
 $(BIN)/.installed: pyproject.toml
@@ -50,6 +50,9 @@ bench-disagg: $(BIN)/.installed
 
 bench-cluster: $(BIN)/.installed
 	$(BIN)/python benchmarks/cluster_reference.py
+
+bench-http: $(BIN)/.installed
+	$(BIN)/python benchmarks/http_overhead.py
 
 clean:
 	rm -rf $(VENV) build

@@ -37,6 +37,7 @@ def make_parts(config: WorkerConfig):
             shm_receiver=shm,
             metrics=obs.metrics,
             tracing=obs.tracing,
+            max_pending_requests=config.max_pending_requests,
         )
 
         def details() -> dict:

@@ -73,6 +73,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         shm_receiver: KVReceiver | None = None,
         metrics: WorkerMetrics | None = None,
         tracing: Tracing | None = None,
+        max_pending_requests: int = 256,
     ) -> None:
         """``shm_receiver``: a same-host shared-memory KV endpoint offered to prefill workers besides PushKv."""
         self.loop = loop
@@ -86,6 +87,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.shm_receiver = shm_receiver
         self.metrics = metrics
         self.tracing = tracing or Tracing("pdserve-decode", environ={})
+        self.max_pending_requests = max_pending_requests
         self.host = socket.gethostname()
 
     # -- ReserveKv ----------------------------------------------------------------------------------------
@@ -102,6 +104,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"model mismatch: {'; '.join(problems)}")
         if not rid or request.num_tokens < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ReserveKv needs a request_id and num_tokens >= 1")
+        stats = self.loop.stats
+        pending = len(self._reservations) + stats.num_requests_running + stats.num_requests_waiting
+        if pending >= self.max_pending_requests:  # a bounded queue: the router tries another worker
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"decode worker full: {pending} requests pending (--max-pending-requests)")
         lease_s = min(request.lease_seconds or self.max_lease_s, self.max_lease_s)
         try:
             # The engine's own lease is a backstop only: this servicer releases first (under the lock), so

@@ -25,6 +25,7 @@ def make_parts(config: WorkerConfig):
             kv_transport=config.kv_transport,
             metrics=obs.metrics,
             tracing=obs.tracing,
+            max_pending_requests=config.max_pending_requests,
         )
         return WorkerParts(
             add_to_server=lambda server: worker_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),

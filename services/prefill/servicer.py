@@ -53,6 +53,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         kv_transport: str = "grpc",
         metrics: WorkerMetrics | None = None,
         tracing: Tracing | None = None,
+        max_pending_requests: int = 256,
     ) -> None:
         """``kv_transport``: "grpc", or "shm" to use shared memory with decode workers on this host."""
         self.loop = loop
@@ -66,6 +67,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.kv_transport = kv_transport
         self.metrics = metrics
         self.tracing = tracing or Tracing("pdserve-prefill", environ={})
+        self.max_pending_requests = max_pending_requests
         self.host = socket.gethostname()
         self._senders: dict[str, GrpcKVSender | _ConnectorRequest] = {}
         self._channels: dict[str, grpc.Channel] = {}
@@ -107,6 +109,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             sampling = convert.sampling_from_proto(request.sampling, self.generation_config, self.default_max_tokens)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        pending = len(self._senders)
+        if pending >= self.max_pending_requests:  # a bounded queue: the router tries another worker
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"prefill worker full: {pending} requests pending (--max-pending-requests)")
         sender = self._sender_for(rid, request)
         self._senders[rid] = sender
         try:

@@ -14,7 +14,10 @@ class RouterConfig:
     model: str = field(default="", metadata=_help("model directory (the router loads only its tokenizer and config)"))
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
     port: int = field(default=50051, metadata=_help("gRPC port of the public API (0: any free port)"))
-    http_port: int = field(default=8000, metadata=_help("HTTP port: /metrics, /healthz, /readyz (0: any free port)"))
+    http_port: int = field(
+        default=8000, metadata=_help("HTTP port: OpenAI API, WebSocket, /metrics, /healthz, /readyz (0: any free)")
+    )
+    served_model_name: str = field(default="", metadata=_help("model id of the OpenAI API (default: --model's name)"))
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis holding the registry"))
     redis_prefix: str = field(default="pdserve:", metadata=_help("prefix of every Redis key"))
     default_max_tokens: int = field(default=64, metadata=_help("max_tokens when a request gives none"))
@@ -22,6 +25,7 @@ class RouterConfig:
     registry_refresh_s: float = field(default=0.5, metadata=_help("how often the worker list is re-read"))
     kv_lease_s: float = field(default=30.0, metadata=_help("lease of a decode worker's KV reservation"))
     max_retries: int = field(default=1, metadata=_help("retries on another worker pair when a hand-off fails"))
+    retry_after_s: float = field(default=1.0, metadata=_help("retry hint sent with RESOURCE_EXHAUSTED / 429"))
     request_timeout_s: float = field(default=600.0, metadata=_help("deadline of a request without a client deadline"))
     otlp_endpoint: str = field(
         default="", metadata=_help("OTLP gRPC endpoint of traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from common.state.redis_client import connect
 from common.state.registry import WORKER_ROLES, WorkerRegistry
 from pdserve.v1 import generate_pb2_grpc
 from services.router.config import RouterConfig
+from services.router.http_api import RouterHttpApi
 from services.router.registry_view import RegistryView
 from services.router.servicer import ModelInfo, RouterServicer
 
@@ -46,6 +48,11 @@ def load_model_info(config: RouterConfig) -> ModelInfo:
     return ModelInfo(tokenizer, generation_config, int(model_config.vocab_size), max_len)
 
 
+def served_model_name(config: RouterConfig) -> str:
+    """The model id of the OpenAI API: ``--served-model-name``, else the model directory's name."""
+    return config.served_model_name or os.path.basename(os.path.normpath(config.model))
+
+
 def run(
     config: RouterConfig,
     *,
@@ -53,7 +60,7 @@ def run(
     on_ready: Callable[[str, str], None] | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (or ``stop_event``). ``on_ready(address, http_address)`` is called once the
-    gRPC API and the HTTP front (``/metrics``, ``/healthz``, ``/readyz``) serve."""
+    gRPC API and the HTTP front (OpenAI API, WebSocket stream, ``/metrics``, ``/healthz``, ``/readyz``) serve."""
     stop_event = stop_event or threading.Event()
     model = load_model_info(config)
     redis = connect(config.redis_url)
@@ -81,6 +88,7 @@ def run(
 
     http = HttpFront(config.host, config.http_port)
     http.add_observability(metrics.registry, not_ready, details)
+    RouterHttpApi(servicer, served_model_name(config)).register(http)
     http.start()
     server.start()
     health.set_serving(True)

@@ -17,6 +17,7 @@ a Redis outage never fails a request.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -36,6 +37,7 @@ from services.router.policy import LoadTracker, pick_decode, pick_prefill
 from services.router.registry_view import RegistryView
 
 log = logging.getLogger(__name__)
+RETRY_AFTER_MS_KEY = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED answer: when to retry
 
 # Failures of a hand-off that another worker pair may not have.
 _RETRYABLE = {
@@ -131,7 +133,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             self._record_create(rid, len(prompt_ids), trace_id)
             excluded: set[str] = set()
             last_error: HandoffError | None = None
-            for attempt in range(self.config.max_retries + 1):
+            retries_left = self.config.max_retries
+            for attempt in itertools.count(1):
                 try:
                     yield from self._serve(rid, prompt_ids, request.sampling, deadline_s, excluded, context, timer)
                     return
@@ -143,14 +146,22 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                         break
                     last_error = exc
                     excluded.add(exc.worker_id)
-                    log.warning("request %s attempt %d failed: %s", rid, attempt + 1, exc)
+                    log.warning("request %s attempt %d failed: %s", rid, attempt, exc)
                     if exc.code not in _RETRYABLE or time.monotonic() >= deadline_s:
                         break
-                    if attempt < self.config.max_retries:
-                        self.metrics.retries.labels(exc.code.name).inc()
-            self._record_finish(rid, "failed", timer, error=str(last_error))
+                    if exc.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is no failure: try
+                        if retries_left == 0:  # every other one; anything else costs a retry
+                            break
+                        retries_left -= 1
+                    self.metrics.retries.labels(exc.code.name).inc()
+            message = str(last_error)
+            if last_error.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # saturated: say when to come back
+                retry_ms = round(self.config.retry_after_s * 1000)
+                context.set_trailing_metadata(((RETRY_AFTER_MS_KEY, str(retry_ms)),))
+                message = f"cluster saturated, retry after {retry_ms} ms: {message}"
+            self._record_finish(rid, "failed", timer, error=message)
             timer.fail(last_error.code.name)
-            context.abort(last_error.code, str(last_error))
+            context.abort(last_error.code, message)
         finally:
             timer.fail(grpc.StatusCode.CANCELLED.name)  # the client went away (no-op once the request ended)
 
@@ -186,14 +197,21 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 raise HandoffError(exc.code(), f"decode worker {d.id} could not reserve KV: {exc.details()}", d.id)
             self._record_update(rid, status="prefilling", decode_worker_id=d.id, prefill_worker_id=p.id,
                                 route_reason=f"{decode.reason}; {prefill.reason}", routed_at=time.time())
-            # 3. prefill, KV to decode
+            # 3. prefill, KV to decode (a client that goes away cancels it: the prefill worker aborts it)
+            call = prefill_stub.Prefill.future(
+                worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
+                                          kv_target_address=d.address, decode_identity=reserved.identity,
+                                          kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host),
+                timeout=max(0.1, deadline_s - time.monotonic()), metadata=metadata,
+            )  # fmt: skip
+            context.add_callback(call.cancel)
             try:
-                first = prefill_stub.Prefill(
-                    worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
-                                              kv_target_address=d.address, decode_identity=reserved.identity,
-                                              kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host),
-                    timeout=max(0.1, deadline_s - time.monotonic()), metadata=metadata,
-                )
+                first = call.result()
+            except grpc.FutureCancelledError:  # the client cancelled or disconnected
+                self._release(decode_stub, rid)
+                self._record_finish(rid, "aborted", timer, error="cancelled by the client")
+                timer.fail(grpc.StatusCode.CANCELLED.name)
+                context.abort(grpc.StatusCode.CANCELLED, f"request {rid} cancelled by the client")
             except grpc.RpcError as exc:
                 self._release(decode_stub, rid)
                 # The retry avoids this prefill worker (a corrupt or late transfer starts at the sender as
@@ -217,7 +235,12 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self._record_update(rid, **stages)
                 self._record_finish(rid, "finished", timer, emitted, first.finish_reason)
                 return
-            # 4. decode and relay
+            # 4. decode and relay (a client gone by now: free the reservation instead)
+            if not context.is_active():
+                self._release(decode_stub, rid)
+                self._record_finish(rid, "aborted", timer, emitted, error="cancelled by the client")
+                timer.fail(grpc.StatusCode.CANCELLED.name)
+                context.abort(grpc.StatusCode.CANCELLED, f"request {rid} cancelled by the client")
             self._record_update(rid, status="decoding", num_tokens_emitted=emitted, decode_started_at=time.time(),
                                 **stages)
             call = decode_stub.Decode(
@@ -237,7 +260,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                         yield generate_pb2.GenerateResponse(request_id=rid, token_ids=piece.token_ids,
                                                             text=piece.text, logprobs=piece.logprobs)
             except grpc.RpcError as exc:
-                self._record_finish(rid, "failed", timer, emitted, error=exc.details() or "")
+                self._release(decode_stub, rid)  # the call may have ended before the worker admitted it
+                status = "aborted" if exc.code() is grpc.StatusCode.CANCELLED else "failed"
+                self._record_finish(rid, status, timer, emitted, error=exc.details() or "")
                 timer.fail(exc.code().name)
                 context.abort(exc.code(), f"decode worker {d.id} failed mid-stream: {exc.details()}")
             yield self._last(rid, finish, len(prompt_ids), emitted, p.id, d.id)

@@ -25,6 +25,9 @@ class WorkerConfig:
     kv_cache_memory: float | None = field(default=None, metadata=_help("KV bytes (> 1) or free-memory fraction"))
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
     max_num_seqs: int = field(default=64, metadata=_help("most requests in the running batch"))
+    max_pending_requests: int = field(
+        default=256, metadata=_help("most requests held (running, queued or awaiting KV); more: RESOURCE_EXHAUSTED")
+    )
     max_model_len: int | None = field(default=None, metadata=_help("context length (default: the model's)"))
     max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget of one engine step"))
     prefill_chunk_size: int | None = field(default=None, metadata=_help("most prompt tokens per request per step"))

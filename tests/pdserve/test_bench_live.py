@@ -98,3 +98,15 @@ def test_errors_are_reported_by_grpc_status_and_exit_0(cluster, tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0] == "==== pdserve bench: concurrency 2 ===="
     assert lines[2].split() == ["Errors", "INVALID_ARGUMENT", "x6"]
+
+
+def test_http_bench_against_the_routers_openai_api_counts_like_grpc(cluster, tmp_path):
+    before = scrape(cluster.router_http)
+    result = run_bench(cluster.router_http, tmp_path / "r.json", "--http", "--num-requests", "12", "--concurrency",
+                       "3", "--input-len", "16", "--output-len", "8")  # fmt: skip
+    after = scrape(cluster.router_http)
+    assert (result["completed"], result["failed"], result["output_tokens"]) == (12, 0, 96)
+    assert result["settings"]["protocol"] == "http"
+    assert after["pdserve:generation_tokens_total"] - before["pdserve:generation_tokens_total"] == 96
+    for key in LATENCY_KEYS:
+        assert 0 < result[key]["p50"] <= result[key]["p99"], key
