@@ -31,7 +31,7 @@ run-engine: $(TINY)/config.json
 	$(BIN)/pdserve run --model $(TINY) --prompt "$(PROMPT)" --max-tokens 32
 
 test: $(BIN)/.installed build/promtool
-	$(BIN)/ruff check common pdserve tests benchmarks
+	$(BIN)/ruff check common pdserve services tests benchmarks scripts
 	$(BIN)/python -m pytest -q
 
 # promtool (from Debian's prometheus package) for tests/deploy; where apt-get cannot fetch it, those tests skip.
