@@ -1,10 +1,19 @@
-"""Block ids of the paged KV cache: allocate, share (ref counts) and free.
+"""Block ids of the paged KV cache: allocate, share (ref counts), free, and remember by name (prefix caching).
 
 The pool owns no tensors (see :mod:`common.engine.kv_cache`); it only decides which block id belongs to
-whom. Invariant: a block is in the free list exactly when its ref count is 0.
+whom. Invariants: a block is in the free queue exactly when its ref count is 0; a named block (see
+:mod:`common.engine.prefix_cache`) holds the KV its name describes, and no two blocks share a name.
+
+The free queue is least-recently-freed first. :meth:`allocate` takes blocks from its head, so a freed
+block keeps its KV (and name) as long as possible: a later request with the same prefix finds it with
+:meth:`lookup` and takes it back with :meth:`share` instead of computing it again. A block in use is never
+handed out, so never evicted.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -17,16 +26,24 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        # Popped from the end: block 0 is handed out first, which keeps tests' block ids predictable.
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head: freed longest ago
+        self._name_of: dict[int, bytes] = {}
+        self._block_named: dict[bytes, int] = {}
+        self._num_free_named = 0  # free blocks that still hold named KV (the cached prefixes)
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks that can be handed out (cached ones included: they are evicted when handed out)."""
         return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a named prefix's KV (reusable until handed out)."""
+        return self._num_free_named
 
     def usage(self) -> float:
         """Share of blocks in use, in [0, 1]."""
@@ -36,34 +53,75 @@ class BlockPool:
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (ref count 1 each); all or nothing."""
+        """Take ``n`` free blocks (ref count 1 each, their names dropped), in ascending id order (runs of
+        consecutive blocks make KV copies cheap); all or nothing."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        blocks = [self._free.pop() for _ in range(n)]
+        blocks = [self._free.popitem(last=False)[0] for _ in range(n)]
         for b in blocks:
             self._ref_counts[b] = 1
+            name = self._name_of.pop(b, None)
+            if name is not None:
+                del self._block_named[name]
+                self._num_free_named -= 1
+        blocks.sort()
         return blocks
 
-    def incref(self, block_ids: list[int]) -> None:
+    def incref(self, block_ids: Sequence[int]) -> None:
         """Share blocks that are already allocated (one more owner each)."""
         for b in block_ids:
             if self._ref_counts[b] == 0:
                 raise ValueError(f"block {b} is free; only allocated blocks can be shared")
             self._ref_counts[b] += 1
 
-    def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; a block whose count reaches 0 goes back to the free list.
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block; a block whose count reaches 0 joins the free queue's tail.
 
-        Pushed in reverse so that a freed run of consecutive blocks is handed out again in ascending order:
-        KV copies of consecutive blocks are one strided copy instead of a gather."""
+        Freed last block first: a sequence's later blocks are evicted before its earlier ones, whose names
+        every longer prefix's chain goes through."""
         for b in reversed(block_ids):
             if self._ref_counts[b] <= 0:
                 raise ValueError(f"block {b} freed more often than allocated")
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+                if b in self._name_of:
+                    self._num_free_named += 1
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    # -- prefix caching -----------------------------------------------------------------------------------
+
+    def name(self, block_id: int, name: bytes) -> bool:
+        """Record that an allocated block holds the KV named ``name``; False (nothing recorded) if another
+        block already holds it or this one has a name."""
+        if self._ref_counts[block_id] == 0:
+            raise ValueError(f"block {block_id} is free; only allocated blocks get names")
+        if name in self._block_named or block_id in self._name_of:
+            return False
+        self._name_of[block_id] = name
+        self._block_named[name] = block_id
+        return True
+
+    def lookup(self, names: Sequence[bytes]) -> list[int]:
+        """The blocks holding the longest prefix of ``names`` (in order; nothing taken)."""
+        out = []
+        for name in names:
+            b = self._block_named.get(name)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference to named blocks found by :meth:`lookup`, free (cached) or in use."""
+        for b in block_ids:
+            if b not in self._name_of:
+                raise ValueError(f"block {b} holds no named KV")
+            if self._ref_counts[b] == 0:
+                del self._free[b]
+                self._num_free_named -= 1
+            self._ref_counts[b] += 1

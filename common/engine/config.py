@@ -31,6 +31,7 @@ class EngineConfig:
     seed: int = 0  # seed of the sampler's generator for requests without their own seed
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's choice
     cpu_packed_linear: bool = True  # oneDNN matmuls over pre-packed weights on the CPU (see cpu_linear)
+    prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (see prefix_cache)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -56,6 +57,7 @@ class EngineConfig:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             prefill_chunk_size=settings.prefill_chunk_size,
             num_threads=settings.threads,
+            prefix_caching=getattr(settings, "prefix_caching", True),
         )
 
     @property

@@ -98,6 +98,7 @@ class LLMEngine(KVHandoffMixin):
             max_num_batched_tokens=config.max_num_batched_tokens,
             prefill_chunk_size=config.chunk_size,
             watermark_blocks=max(1, num_blocks // 100),
+            prefix_caching=config.prefix_caching,
         )
         self.sampler = Sampler(seed=config.seed)
         self.reservations = ReservationTable(self.block_pool, config.block_size)
@@ -253,8 +254,9 @@ class LLMEngine(KVHandoffMixin):
         for request, _ in sched.scheduled:
             if request.times.first_scheduled_s is None:
                 request.times.first_scheduled_s = now
-                if not request.imported:  # no prefix cache yet: every prompt token is looked up and missed
-                    self.counters.num_prefix_cache_queries += len(request.prompt_token_ids)
+                if not request.imported and self.config.prefix_caching:
+                    self.counters.num_prefix_cache_queries += request.num_tokens
+                    self.counters.num_prefix_cache_hits += request.num_cached_tokens
         batch = self.runner.prepare(sched.scheduled)
         if self.kv_layer_sink is not None:
             completing = [r for r, n in sched.scheduled if r.prefill_only and r.num_computed_tokens + n == r.num_tokens]
@@ -264,6 +266,7 @@ class LLMEngine(KVHandoffMixin):
         touched = [r for r, _ in sched.scheduled]
         for request, n in sched.scheduled:
             request.num_computed_tokens += n
+            self.scheduler.name_computed_blocks(request)
         if batch.sampling_requests:
             reqs = batch.sampling_requests
             sampled = self.sampler(

@@ -49,6 +49,7 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     kv_blocks_reserved: int = 0
+    kv_blocks_cached: int = 0  # free blocks still holding a cached prefix (not counted in kv_blocks_used)
     num_prompt_tokens: int = 0  # cumulative counters: see common.engine.counters.EngineCounters
     num_generation_tokens: int = 0
     num_preemptions: int = 0
@@ -234,6 +235,7 @@ class EngineLoop:
             kv_blocks_used=e.block_pool.num_used_blocks,
             kv_blocks_total=e.block_pool.num_blocks,
             kv_blocks_reserved=e.reservations.num_reserved_blocks,
+            kv_blocks_cached=e.block_pool.num_cached_blocks,
             num_prompt_tokens=c.num_prompt_tokens,
             num_generation_tokens=c.num_generation_tokens,
             num_preemptions=c.num_preemptions,

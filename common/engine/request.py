@@ -66,6 +66,9 @@ class Request:
     imported: bool = False  # admitted with its KV from another engine (no prompt compute here)
     num_imported_tokens: int = 0  # output tokens sampled by that other engine
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
+    block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its full blocks so far
+    num_named_blocks: int = 0  # of block_ids, how many are named in the pool (their KV is computed)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (last admission)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

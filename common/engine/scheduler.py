@@ -8,7 +8,12 @@ Each step (:meth:`Scheduler.schedule`):
    freed and they go back to the front of the waiting queue, to be recomputed), or itself when it is the
    newest.
 2. If nothing was preempted, waiting requests are admitted in order while the budget, ``max_num_seqs`` and
-   free blocks (above a small watermark, unless nothing runs) allow.
+   free blocks (above a small watermark, unless nothing runs) allow. With prefix caching, an admitted request
+   first takes the cached blocks of its longest named prefix (at least its last token is always computed:
+   its logits are needed) and only the rest is computed.
+
+After each step :meth:`Scheduler.name_computed_blocks` names a request's newly completed blocks, so later
+requests can reuse them (see :mod:`common.engine.prefix_cache`).
 
 The oldest running request is never preempted by a newer one, so the engine always makes progress as long
 as one request of ``max_model_len`` tokens fits the pool (checked when the engine is built).
@@ -20,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.engine.block_pool import BlockPool
+from common.engine.prefix_cache import block_hashes
 from common.engine.request import Request, RequestStatus
 
 
@@ -42,6 +48,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefill_chunk_size: int,
         watermark_blocks: int = 0,
+        prefix_caching: bool = False,
     ) -> None:
         self.block_pool = block_pool
         self.block_size = block_size
@@ -49,6 +56,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_size = prefill_chunk_size
         self.watermark_blocks = watermark_blocks
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -104,10 +112,15 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self.prefix_caching and request.num_computed_tokens == 0:
+                self._take_cached_prefix(request)
             n = min(request.num_uncomputed_tokens, self.prefill_chunk_size, budget)
             need = self._blocks_needed(request, n)
             reserve = self.watermark_blocks if self.running else 0
             if need + reserve > self.block_pool.num_free_blocks:
+                if request.num_cached_tokens:  # give the cached blocks back until it fits
+                    self._free_blocks(request)
+                    request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             request.block_ids += self.block_pool.allocate(need)
@@ -116,6 +129,28 @@ class Scheduler:
             out.scheduled.append((request, n))
             budget -= n
         return out
+
+    # -- prefix caching -----------------------------------------------------------------------------------
+
+    def _take_cached_prefix(self, request: Request) -> None:
+        """Share the pool's blocks for the longest named prefix of the request's tokens (never all of them)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        request.block_names = block_hashes(request.all_token_ids, self.block_size, request.block_names, max_blocks)
+        hits = self.block_pool.lookup(request.block_names[:max_blocks])
+        self.block_pool.share(hits)
+        request.block_ids = hits
+        request.num_computed_tokens = request.num_cached_tokens = len(hits) * self.block_size
+        request.num_named_blocks = len(hits)
+
+    def name_computed_blocks(self, request: Request) -> None:
+        """Name the request's blocks completed since the last call (call after its KV was computed)."""
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if not self.prefix_caching or full <= request.num_named_blocks:
+            return
+        request.block_names = block_hashes(request.all_token_ids, self.block_size, request.block_names, full)
+        for i in range(request.num_named_blocks, full):
+            self.block_pool.name(request.block_ids[i], request.block_names[i])
+        request.num_named_blocks = full
 
     # -- helpers ------------------------------------------------------------------------------------------
 
@@ -134,3 +169,4 @@ class Scheduler:
         if request.block_ids:
             self.block_pool.free(request.block_ids)
             request.block_ids = []
+        request.num_named_blocks = 0

@@ -61,7 +61,8 @@ ROUTER_REQUESTS_RUNNING = _m("num_requests_running", "gauge",
                              "Requests in flight (router: between received and answered; worker: in the batch).")
 REQUESTS_RECEIVED = _m("requests", "counter", "Requests received (the request-rate signal for autoscaling).")
 PROMPT_TOKENS = _m("prompt_tokens", "counter",
-                   "Prompt tokens (router: of requests received; worker: computed by prefill).")
+                   "Prompt tokens (router: of requests received; worker: of requests prefilled there, the ones "
+                   "taken from the prefix cache included).")
 GENERATION_TOKENS = _m("generation_tokens", "counter",
                        "Generated tokens (router: delivered to clients; worker: sampled by the engine).")
 REQUEST_SUCCESS = _m("request_success", "counter", "Requests finished, by finish reason.", ("finished_reason",))
@@ -93,8 +94,11 @@ REQUESTS_WAITING = _m("num_requests_waiting", "gauge", "Requests waiting in this
 KV_CACHE_USAGE = _m("kv_cache_usage_perc", "gauge", "KV blocks used (requests and reservations) / total, 0-1.")
 KV_BLOCKS_USED = _m("kv_cache_blocks_used", "gauge", "KV blocks held by requests and reservations.")
 KV_BLOCKS_TOTAL = _m("kv_cache_blocks_total", "gauge", "KV blocks in this worker's cache.")
-PREFIX_CACHE_QUERIES = _m("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.")
-PREFIX_CACHE_HITS = _m("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.")
+KV_BLOCKS_CACHED = _m("kv_cache_blocks_cached", "gauge",
+                      "Free KV blocks still holding a cached prefix (reused on a hit, evicted LRU when needed).")
+PREFIX_CACHE_QUERIES = _m("prefix_cache_queries", "counter",
+                          "Tokens of admitted requests looked up in the prefix cache.")
+PREFIX_CACHE_HITS = _m("prefix_cache_hits", "counter", "Looked-up tokens whose KV came from the prefix cache.")
 NUM_PREEMPTIONS = _m("num_preemptions", "counter", "Requests preempted (their KV dropped, recomputed later).")
 QUEUE_TIME = _m("request_queue_time_seconds", "histogram",
                 "Per request: added to the engine to first scheduled.", buckets=LATENCY_BUCKETS_S)
@@ -109,7 +113,7 @@ KV_TRANSFER_BYTES = _m("kv_transfer_bytes", "counter", "KV bytes moved between w
 KV_TRANSFER_FAILURES = _m("kv_transfer_failures", "counter", "KV transfers that failed, by gRPC status.", ("code",))
 
 WORKER_METRICS = (REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_USED, KV_BLOCKS_TOTAL,
-                  PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PROMPT_TOKENS, GENERATION_TOKENS, NUM_PREEMPTIONS,
+                  KV_BLOCKS_CACHED, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PROMPT_TOKENS, GENERATION_TOKENS, NUM_PREEMPTIONS,
                   QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_SECONDS, KV_TRANSFER_BYTES,
                   KV_TRANSFER_FAILURES, REDIS_UP)  # fmt: skip
 

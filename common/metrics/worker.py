@@ -32,6 +32,7 @@ class _EngineCollector(Collector):
         gauges = ((n.REQUESTS_RUNNING, s.num_requests_running), (n.REQUESTS_WAITING, s.num_requests_waiting),
                   (n.KV_CACHE_USAGE, s.kv_blocks_used / max(1, s.kv_blocks_total)),
                   (n.KV_BLOCKS_USED, s.kv_blocks_used), (n.KV_BLOCKS_TOTAL, s.kv_blocks_total),
+                  (n.KV_BLOCKS_CACHED, s.kv_blocks_cached),
                   (n.REDIS_UP, 1.0 if self._redis_up() else 0.0))  # fmt: skip
         for spec, value in gauges:
             yield GaugeMetricFamily(spec.name, spec.help, value=value)

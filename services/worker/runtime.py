@@ -122,6 +122,7 @@ def serve_worker(
             model=identity.model_fingerprint, version=__version__,
             num_requests_running=stats.num_requests_running, num_requests_waiting=stats.num_requests_waiting,
             kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
+            kv_blocks_cached=stats.kv_blocks_cached,
             metrics_address=metrics_address, started_at=started_at, updated_at=time.time(),
             state="draining" if stop_event.is_set() else "ready",
         )  # fmt: skip

@@ -154,3 +154,18 @@ def test_log_lines_carry_the_request_id(cluster):
     finished = [line for line in lines if "finished" in line["msg"]]
     assert len(finished) == 1 and finished[0]["request_id"] == "logged-request-1"
     assert len(finished[0]["trace_id"]) == 32 and finished[0]["service"] == "test"
+
+
+def test_prefix_cache_hits_through_the_cluster_keep_outputs_equal(cluster, tiny_model_dir, hf_reference):
+    from tests.conftest import hf_greedy
+
+    before = scrape(cluster.metrics["prefill-0"])
+    system = [(37 * i) % 3000 + 10 for i in range(64)]  # 4 full blocks shared by every prompt
+    prompts = [system + [11 + i, 12 + i, 13 + i] for i in range(3)]
+    with Client(cluster.router) as client:
+        outs = [client.generate(p, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
+    after = scrape(cluster.metrics["prefill-0"])
+    hits = after[("pdserve:prefix_cache_hits_total", ())] - before.get(("pdserve:prefix_cache_hits_total", ()), 0)
+    assert hits == 2 * 64  # the 2nd and 3rd prompt reuse the cached system prompt
+    hf = hf_reference(tiny_model_dir("llama"))
+    assert outs == [hf_greedy(hf, p, 5) for p in prompts]

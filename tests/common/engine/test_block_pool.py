@@ -5,13 +5,13 @@ import pytest
 from common.engine.block_pool import BlockPool, NoFreeBlocksError
 
 
-def test_allocate_hands_out_low_ids_first_and_free_returns_them():
+def test_allocate_hands_out_the_least_recently_freed_blocks_in_ascending_order():
     pool = BlockPool(4)
     assert pool.allocate(2) == [0, 1]
     assert pool.allocate(1) == [2]
     assert pool.num_free_blocks == 1 and pool.num_used_blocks == 3
     pool.free([1])
-    assert pool.allocate(2) == [1, 3]
+    assert pool.allocate(2) == [1, 3]  # 3 waited longest, then 1; handed out sorted
     assert pool.usage() == 1.0
 
 
@@ -48,6 +48,33 @@ def test_a_freed_run_comes_back_in_ascending_order():
     """KV copies of consecutive ascending blocks are one strided copy (see PagedKVCache.write_blocks)."""
     pool = BlockPool(8)
     first = pool.allocate(5)
-    pool.allocate(2)
+    pool.allocate(3)
     pool.free(first)
     assert pool.allocate(5) == [0, 1, 2, 3, 4]
+
+
+def test_named_blocks_are_reused_until_handed_out_and_the_tail_goes_first():
+    pool = BlockPool(6)
+    a = pool.allocate(3)
+    names = [b"n0", b"n1", b"n2"]
+    for block, name in zip(a, names):
+        assert pool.name(block, name)
+    assert not pool.name(a[0], b"other") and not pool.name(pool.allocate(1)[0], b"n0")  # one name each way
+    assert pool.lookup(names + [b"n3"]) == a and pool.lookup([b"n1"]) == [a[1]] and pool.lookup([b"x"]) == []
+    pool.free(a)  # cached: free, but still named
+    assert (pool.num_free_blocks, pool.num_cached_blocks) == (5, 3)
+    hits = pool.lookup(names[:2])
+    pool.share(hits)  # taken back from the free queue
+    assert [pool.ref_count(b) for b in hits] == [1, 1]
+    assert (pool.num_free_blocks, pool.num_cached_blocks) == (3, 1)
+    pool.share(hits)  # a second user of blocks in use
+    assert [pool.ref_count(b) for b in hits] == [2, 2]
+    # Evictions take the least recently freed first: the never-used blocks, then n2 (freed before n0, n1
+    # were shared again); blocks in use are never handed out.
+    got = pool.allocate(3)
+    assert a[2] in got and not set(got) & set(hits)
+    assert pool.lookup(names) == hits and pool.num_cached_blocks == 0
+    with pytest.raises(ValueError, match="holds no named KV"):
+        pool.share([got[0]])
+    with pytest.raises(ValueError, match="only allocated blocks get names"):
+        BlockPool(1).name(0, b"n")

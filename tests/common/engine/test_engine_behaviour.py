@@ -210,4 +210,4 @@ def test_generate_fails_clearly_when_prefilled_requests_hold_the_pool(loaded):
     while not engine.step():
         pass
     with pytest.raises(RuntimeError, match="awaiting export_kv"):
-        engine.generate([list(range(4, 200))], SamplingParams(max_new_tokens=5, **GREEDY))
+        engine.generate([list(range(300, 496))], SamplingParams(max_new_tokens=5, **GREEDY))  # no shared prefix

@@ -78,7 +78,7 @@ def test_newest_request_is_preempted_and_recomputed_first_in_line():
     out = run_step(s)  # a needs a third block: none free → b (newest) is preempted
     assert [r.request_id for r in out.preempted] == ["b"]
     assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1)]
-    assert a.block_ids == [0, 1, 2]  # freed blocks are reused first, a freed run in ascending order
+    assert a.block_ids == [0, 1, 3]  # a freed request gives back its last block first
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
     assert b.num_preemptions == 1 and s.waiting[0] is b
     assert b.num_uncomputed_tokens == 8  # prompt + the token it had generated, recomputed as one prompt
@@ -93,7 +93,7 @@ def test_a_request_that_cannot_fit_preempts_itself_when_it_is_the_newest():
     run_step(s)  # a → [0], b → [1, 2]
     # a decodes into a new block (needs 1, none free): b is newest, preempted; a runs
     out = run_step(s)
-    assert [r.request_id for r in out.preempted] == ["b"] and a.block_ids == [0, 1]
+    assert [r.request_id for r in out.preempted] == ["b"] and a.block_ids == [0, 2]
     s2 = Scheduler(BlockPool(2), block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64)
     c = make_request("c", 8)
     s2.add(c)
