@@ -103,8 +103,12 @@ class Client:
     def close(self) -> None:
         self._channel.close()
 
-    def request(self, prompt: str | Sequence[int], *, request_id: str = "", **sampling) -> generate_pb2.GenerateRequest:
-        req = generate_pb2.GenerateRequest(sampling=sampling_message(**sampling), request_id=request_id)
+    def request(
+        self, prompt: str | Sequence[int], *, request_id: str = "", session_id: str = "", **sampling
+    ) -> generate_pb2.GenerateRequest:
+        """``session_id``: a conversation's turns reuse its KV on the decode worker of the last turn."""
+        req = generate_pb2.GenerateRequest(sampling=sampling_message(**sampling), request_id=request_id,
+                                           session_id=session_id)
         if isinstance(prompt, str):
             req.text = prompt
         else:

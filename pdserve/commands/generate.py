@@ -24,6 +24,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--router", default=None, help=f"router address (default: $PDSERVE_ROUTER, else {DEFAULT_ROUTER})")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (propagated to every stage)")
     p.add_argument("--json", action="store_true", help="one compact JSON object on stdout at the end")
+    p.add_argument("--session-id", default="", help="conversation id: later turns reuse this one's KV")
     add_sampling_args(p)
     p.set_defaults(func=generate)
 
@@ -43,7 +44,7 @@ def generate(args: argparse.Namespace) -> int:
     result = Result()
     try:
         with Client(address) as client:
-            for piece in client.stream(args.prompt, timeout_s=args.timeout, **sampling):
+            for piece in client.stream(args.prompt, timeout_s=args.timeout, session_id=args.session_id, **sampling):
                 result.add(piece)
                 if not args.json and piece.text:
                     sys.stdout.write(piece.text)

@@ -41,6 +41,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     p.add_argument("--port", type=int, default=None, help="router gRPC port (default: a free one)")
     p.add_argument("--http-port", type=int, default=None, help="router HTTP port (default: a free one)")
+    p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
+                   help="prompts shorter than this are prefilled on the decode worker (default 0: never)")
     p.add_argument("--log-dir", default=None, help="where each service writes its log (default: a temp dir)")
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every worker, e.g. --worker-arg=--kv-cache-memory=1e9 (repeatable)")
@@ -81,7 +83,8 @@ def up(args: argparse.Namespace) -> int:
                 endpoints[name] = f"127.0.0.1:{port}"
         router_port, http_port = args.port or free_port(), args.http_port or free_port()
         router_argv = [*py, "router", "--model", model, "--port", str(router_port), "--http-port", str(http_port),
-                       "--redis-url", redis_url, *args.router_arg]
+                       "--redis-url", redis_url, "--local-prefill-threshold", str(args.local_prefill_threshold),
+                       *args.router_arg]
         sup.spawn("router", router_argv, log_path=log_dir / "router.log")
         endpoints["router"] = f"127.0.0.1:{router_port}"
 

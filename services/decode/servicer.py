@@ -8,7 +8,9 @@ Life cycle of a request on a decode worker:
    block ranges) and written straight into the reserved blocks on the gRPC thread, under the reservation's
    lock. A bad chunk fails the stream with DATA_LOSS naming it, and the reservation is released.
 3. ``Decode`` (router): once every layer arrived, the request joins the continuous batch; its tokens after
-   the ones prefill produced stream back until it finishes. A client that goes away aborts it.
+   the ones prefill produced stream back until it finishes. A client that goes away aborts it. With
+   ``prefill_here`` (conditional disaggregation, sessions) there is no reservation: the request is
+   prefilled here, reusing what this worker's prefix cache holds, and every token streams back.
 4. ``ReleaseKv`` (router), the lease's end, or the end of decoding free the blocks. Never a leak, never a hang.
 """
 
@@ -215,6 +217,43 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     def _decode(self, request, context):
         rid = request.request_id
+        if request.prefill_here:
+            stream = self._prefill_here(request, context)
+        else:
+            stream = self._admit_reserved(request, context)
+        context.add_callback(lambda: self.loop.submit(lambda e: e.abort(rid)))  # no-op once finished
+        try:
+            while True:
+                out = stream.get(timeout_s=self.stream_timeout_s)
+                yield worker_pb2.DecodeResponse(
+                    token_ids=out.new_token_ids,
+                    text=out.new_text,
+                    logprobs=convert.logprobs_to_proto(out.new_logprobs),
+                    finish_reason=convert.finish_reason_to_proto(out.finish_reason if out.finished else None),
+                )
+                if out.finished:
+                    return
+        except StreamClosed as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Exception:  # queue.Empty: the engine produced nothing for stream_timeout_s
+            self.loop.submit(lambda e: e.abort(rid))
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} produced no token in time")
+
+    def _prefill_here(self, request, context):
+        """Conditional disaggregation: the whole request runs here (the prefix cache may hold part of it)."""
+        stats = self.loop.stats
+        pending = len(self._reservations) + stats.num_requests_running + stats.num_requests_waiting
+        if pending >= self.max_pending_requests:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"decode worker full: {pending} requests pending (--max-pending-requests)")
+        try:
+            sampling = convert.sampling_from_proto(request.sampling, self.generation_config, self.default_max_tokens)
+            return self.loop.add_request(list(request.prompt_token_ids), sampling, request_id=request.request_id)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _admit_reserved(self, request, context):
+        rid = request.request_id
         with self._lock:
             reservation = self._reservations.get(rid)
         if reservation is None or reservation.released:
@@ -245,27 +284,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             )
 
         try:
-            stream = self.loop.open_stream(admit)
+            return self.loop.open_stream(admit)
         except ValueError as exc:
             self.release(rid)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        context.add_callback(lambda: self.loop.submit(lambda e: e.abort(rid)))  # no-op once finished
-        try:
-            while True:
-                out = stream.get(timeout_s=self.stream_timeout_s)
-                yield worker_pb2.DecodeResponse(
-                    token_ids=out.new_token_ids,
-                    text=out.new_text,
-                    logprobs=convert.logprobs_to_proto(out.new_logprobs),
-                    finish_reason=convert.finish_reason_to_proto(out.finish_reason if out.finished else None),
-                )
-                if out.finished:
-                    return
-        except StreamClosed as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except Exception:  # queue.Empty: the engine produced nothing for stream_timeout_s
-            self.loop.submit(lambda e: e.abort(rid))
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} produced no token in time")
 
     # -- ProbeLink ------------------------------------------------------------------------------------------
 

@@ -25,6 +25,10 @@ class RouterConfig:
     registry_refresh_s: float = field(default=0.5, metadata=_help("how often the worker list is re-read"))
     kv_lease_s: float = field(default=30.0, metadata=_help("lease of a decode worker's KV reservation"))
     max_retries: int = field(default=1, metadata=_help("retries on another worker pair when a hand-off fails"))
+    local_prefill_threshold: int = field(
+        default=0, metadata=_help("prompts shorter than this many tokens are prefilled on the decode worker (0: never)")
+    )
+    session_ttl_s: float = field(default=1800.0, metadata=_help("how long Redis keeps an idle session's record"))
     retry_after_s: float = field(default=1.0, metadata=_help("retry hint sent with RESOURCE_EXHAUSTED / 429"))
     request_timeout_s: float = field(default=600.0, metadata=_help("deadline of a request without a client deadline"))
     otlp_endpoint: str = field(

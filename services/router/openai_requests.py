@@ -51,7 +51,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos")  # fmt: skip
 _COMMON_KEYS = {"model", "max_tokens", "logprobs", "n", "stream", "stream_options", "user", "logit_bias",
-                *_SAMPLING_KEYS}  # fmt: skip
+                "session_id", *_SAMPLING_KEYS}  # fmt: skip
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "echo", "best_of", "suffix"})
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                       "response_format"})  # fmt: skip
@@ -75,10 +75,12 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None
+    session_id: str = ""  # pdserve's extension: the turns of one conversation reuse its KV
 
     def to_generate_request(self, request_id: str = "") -> generate_pb2.GenerateRequest:
         """The router's request; ``request_id`` "" lets the router make one."""
-        request = generate_pb2.GenerateRequest(sampling=sampling_message(**self.sampling), request_id=request_id)
+        request = generate_pb2.GenerateRequest(sampling=sampling_message(**self.sampling), request_id=request_id,
+                                               session_id=self.session_id)
         if self.prompt_ids is not None:
             request.token_ids.ids.extend(self.prompt_ids)
         else:
@@ -103,7 +105,8 @@ def parse_completion(body: object, *, served_model: str) -> ParsedRequest:
     stream, include_usage = _stream(body)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
-    return ParsedRequest("completion", model, text, ids, sampling, stream, include_usage, logprobs)
+    return ParsedRequest("completion", model, text, ids, sampling, stream, include_usage, logprobs,
+                         _session_id(body))
 
 
 def parse_chat(body: object, *, served_model: str, tokenizer: Any) -> ParsedRequest:
@@ -127,7 +130,15 @@ def parse_chat(body: object, *, served_model: str, tokenizer: Any) -> ParsedRequ
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     ids = render_chat(messages, tokenizer)
-    return ParsedRequest("chat", model, None, ids, sampling, stream, include_usage, logprobs)
+    return ParsedRequest("chat", model, None, ids, sampling, stream, include_usage, logprobs, _session_id(body))
+
+
+def _session_id(body: dict) -> str:
+    """The ``session_id`` extension: up to 256 characters without whitespace, or absent."""
+    value = string_value(body, "session_id")
+    if value is not None and (not value or len(value) > 256 or any(c.isspace() for c in value)):
+        raise invalid("session_id", f"session_id must be 1-256 characters without whitespace, got {show(value)}")
+    return value or ""
 
 
 # -- fields ---------------------------------------------------------------------------------------------------

@@ -30,10 +30,10 @@ from common.metrics.router import RequestTimer, RouterMetrics
 from common.obs import Tracing, call_scope, trace_id_of
 from common.rpc import convert
 from common.rpc.server import channel
-from common.state.records import RequestRecord, RequestStore
+from common.state.records import RequestRecord, RequestStore, SessionRecord, SessionStore
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.router.config import RouterConfig
-from services.router.policy import LoadTracker, pick_decode, pick_prefill
+from services.router.policy import Choice, LoadTracker, pick_decode, pick_prefill
 from services.router.registry_view import RegistryView
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,12 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         config: RouterConfig,
         metrics: RouterMetrics,
         tracing: Tracing,
+        sessions: SessionStore,
     ) -> None:
         self.model = model
         self.view = view
         self.records = records
+        self.sessions = sessions
         self.config = config
         self.metrics = metrics
         self.tracing = tracing
@@ -131,12 +133,17 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             timeout_s = min(remaining or self.config.request_timeout_s, self.config.request_timeout_s)
             deadline_s = time.monotonic() + timeout_s
             self._record_create(rid, len(prompt_ids), trace_id)
+            session = self._session_load(request.session_id) if request.session_id else None
             excluded: set[str] = set()
+            full: set[str] = set()  # workers that answered RESOURCE_EXHAUSTED
             last_error: HandoffError | None = None
             retries_left = self.config.max_retries
             for attempt in itertools.count(1):
                 try:
-                    yield from self._serve(rid, prompt_ids, request.sampling, deadline_s, excluded, context, timer)
+                    decode_id = yield from self._serve(rid, prompt_ids, request.sampling, deadline_s, excluded,
+                                                       context, timer, session, frozenset(full))
+                    if request.session_id:
+                        self._session_save(request.session_id, prompt_ids + timer.token_ids, decode_id)
                     return
                 except HandoffError as exc:
                     if not exc.worker_id and last_error is not None:  # no other pair: report the real failure
@@ -149,8 +156,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                     log.warning("request %s attempt %d failed: %s", rid, attempt, exc)
                     if exc.code not in _RETRYABLE or time.monotonic() >= deadline_s:
                         break
-                    if exc.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is no failure: try
-                        if retries_left == 0:  # every other one; anything else costs a retry
+                    if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is no failure: try the
+                        full.add(exc.worker_id)  # others (and decode-side prefill when every prefill is full)
+                    else:  # anything else costs a retry
+                        if retries_left == 0:
                             break
                         retries_left -= 1
                     self.metrics.retries.labels(exc.code.name).inc()
@@ -165,17 +174,32 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         finally:
             timer.fail(grpc.StatusCode.CANCELLED.name)  # the client went away (no-op once the request ended)
 
-    def _serve(self, rid, prompt_ids, sampling_msg, deadline_s, excluded, context, timer: RequestTimer):
-        """One attempt on one worker pair. Raises HandoffError before the first token reaches the client;
-        after that, a failure aborts the call (mid-stream migration is a later feature)."""
+    def _serve(self, rid, prompt_ids, sampling_msg, deadline_s, excluded, context, timer: RequestTimer,
+               session: SessionRecord | None = None, full: frozenset[str] = frozenset()):
+        """One attempt on one worker pair (or one decode worker prefilling locally); returns the decode
+        worker's id. ``full``: workers that answered RESOURCE_EXHAUSTED. Raises HandoffError before the first
+        token reaches the client; after that, a failure aborts the call (mid-stream migration comes later)."""
         workers = self.view.workers()
         if not pick_decode(workers, self.tracker, excluded) or not pick_prefill(workers, self.tracker, excluded):
             self.view.refresh()  # the view may predate a worker that just registered
             workers = self.view.workers()
-        decode = pick_decode(workers, self.tracker, excluded)
+        decode, local_reason = self._sticky_decode(session, workers, excluded), ""
+        if decode is not None:
+            local_reason = f"{decode.reason}: prefilled there from its cached KV"
+        else:
+            decode = pick_decode(workers, self.tracker, excluded)
         if decode is None:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, "no live decode worker", "")
         prefill = pick_prefill(workers, self.tracker, excluded)
+        threshold = self.config.local_prefill_threshold
+        if not local_reason and len(prompt_ids) < threshold:
+            local_reason = f"{decode.reason}; {len(prompt_ids)} prompt tokens < --local-prefill-threshold {threshold}"
+        prefills = [w.id for w in workers if w.role == "prefill"]
+        if not local_reason and prefill is None and prefills and set(prefills) <= full:
+            local_reason = f"{decode.reason}; every prefill worker is full: prefilled on decode"
+        if local_reason:
+            return (yield from self._serve_local(rid, prompt_ids, sampling_msg, deadline_s, context, timer,
+                                                 decode.worker, local_reason))
         if prefill is None:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, "no live prefill worker", "")
         d, p = decode.worker, prefill.worker
@@ -234,7 +258,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 yield self._last(rid, first.finish_reason, len(prompt_ids), emitted, p.id, d.id)
                 self._record_update(rid, **stages)
                 self._record_finish(rid, "finished", timer, emitted, first.finish_reason)
-                return
+                return d.id
             # 4. decode and relay (a client gone by now: free the reservation instead)
             if not context.is_active():
                 self._release(decode_stub, rid)
@@ -250,27 +274,69 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 timeout=max(0.1, deadline_s - time.monotonic()), metadata=metadata,
             )
             context.add_callback(call.cancel)  # the client went away: stop decoding (frees the blocks)
-            finish = types_pb2.FINISH_REASON_UNSPECIFIED
-            try:
-                for piece in call:
-                    emitted += len(piece.token_ids)
-                    finish = piece.finish_reason
-                    if piece.token_ids or piece.text:
-                        timer.on_tokens(piece.token_ids)
-                        yield generate_pb2.GenerateResponse(request_id=rid, token_ids=piece.token_ids,
-                                                            text=piece.text, logprobs=piece.logprobs)
-            except grpc.RpcError as exc:
-                self._release(decode_stub, rid)  # the call may have ended before the worker admitted it
-                status = "aborted" if exc.code() is grpc.StatusCode.CANCELLED else "failed"
-                self._record_finish(rid, status, timer, emitted, error=exc.details() or "")
-                timer.fail(exc.code().name)
-                context.abort(exc.code(), f"decode worker {d.id} failed mid-stream: {exc.details()}")
-            yield self._last(rid, finish, len(prompt_ids), emitted, p.id, d.id)
-            self._record_finish(rid, "finished", timer, emitted, finish)
+            yield from self._relay(rid, call, decode_stub, d.id, p.id, len(prompt_ids), emitted, timer, context)
+            return d.id
         finally:
             self.tracker.release(d.id)
             if not prefill_released:
                 self.tracker.release(p.id)
+
+    def _serve_local(self, rid, prompt_ids, sampling_msg, deadline_s, context, timer, d, reason: str):
+        """Conditional disaggregation: the decode worker prefills the prompt itself (``prefill_here``)."""
+        decode_stub = worker_pb2_grpc.DecodeServiceStub(self._channel(d.address))
+        self.tracker.acquire(d.id)
+        try:
+            now = time.time()
+            self._record_update(rid, status="decoding", decode_worker_id=d.id, route_reason=reason, routed_at=now,
+                                decode_started_at=now)
+            call = decode_stub.Decode(
+                worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
+                                         prefill_here=True),
+                timeout=max(0.1, deadline_s - time.monotonic()), metadata=self.tracing.outgoing_metadata(),
+            )  # fmt: skip
+            context.add_callback(call.cancel)
+            yield from self._relay(rid, call, decode_stub, d.id, "", len(prompt_ids), 0, timer, context)
+            return d.id
+        finally:
+            self.tracker.release(d.id)
+
+    def _relay(self, rid, call, decode_stub, d_id: str, p_id: str, num_prompt: int, emitted: int,
+               timer: RequestTimer, context):
+        """Relay a Decode stream to the client, then the last message. A failure before any token reached
+        the client (a local prefill) raises HandoffError; after that it ends the call."""
+        finish = types_pb2.FINISH_REASON_UNSPECIFIED
+        sent = emitted > 0
+        try:
+            for piece in call:
+                emitted += len(piece.token_ids)
+                finish = piece.finish_reason
+                if piece.token_ids or piece.text:
+                    timer.on_tokens(piece.token_ids)
+                    message = generate_pb2.GenerateResponse(request_id=rid, token_ids=piece.token_ids,
+                                                            text=piece.text, logprobs=piece.logprobs)
+                    if not sent:  # the first message names the workers
+                        message.prefill_worker_id, message.decode_worker_id, sent = p_id, d_id, True
+                        self._record_update(rid, first_token_at=timer.first_token_at)
+                    yield message
+        except grpc.RpcError as exc:
+            self._release(decode_stub, rid)  # the call may have ended before the worker admitted it
+            if not sent and exc.code() is not grpc.StatusCode.CANCELLED:
+                raise HandoffError(exc.code(), f"decode worker {d_id} could not serve it: {exc.details()}", d_id)
+            status = "aborted" if exc.code() is grpc.StatusCode.CANCELLED else "failed"
+            self._record_finish(rid, status, timer, emitted, error=exc.details() or "")
+            timer.fail(exc.code().name)
+            context.abort(exc.code(), f"decode worker {d_id} failed mid-stream: {exc.details()}")
+        yield self._last(rid, finish, num_prompt, emitted, p_id, d_id)
+        self._record_finish(rid, "finished", timer, emitted, finish)
+
+    def _sticky_decode(self, session: SessionRecord | None, workers, excluded: set[str]) -> Choice | None:
+        """The decode worker that served the session's last turn, if it is live and not excluded."""
+        if session is None or not session.decode_worker_id or session.decode_worker_id in excluded:
+            return None
+        worker = next((w for w in workers if w.role == "decode" and w.id == session.decode_worker_id), None)
+        if worker is None:
+            return None
+        return Choice(worker, f"session {session.session_id}: its last turn's KV is on {worker.id}")
 
     @staticmethod
     def _last(rid, finish, num_prompt, num_emitted, prefill_id, decode_id) -> generate_pb2.GenerateResponse:
@@ -287,6 +353,19 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             log.warning("could not release KV of %s: %s", rid, exc.details())
 
     # -- request records (best effort: Redis trouble never fails a request) -------------------------------
+
+    # -- sessions (best effort too: without its record a turn is served by a full prefill) ---------------
+
+    def _session_load(self, session_id: str) -> SessionRecord | None:
+        try:
+            return self.sessions.get(session_id)
+        except Exception as exc:  # noqa: BLE001 - Redis trouble or a bad id: serve the turn from scratch
+            log.debug("session %s not read: %s", session_id, exc)
+            return None
+
+    def _session_save(self, session_id: str, token_ids: list[int], decode_id: str) -> None:
+        self._best_effort(self.sessions.put, SessionRecord(session_id=session_id, token_ids=token_ids,
+                                                           decode_worker_id=decode_id))
 
     def _record_create(self, rid: str, num_prompt: int, trace_id: str) -> None:
         self._best_effort(self.records.create, RequestRecord(request_id=rid, status="queued",
