@@ -12,7 +12,7 @@ handed out, so never evicted.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 
@@ -30,6 +30,10 @@ class BlockPool:
         self._name_of: dict[int, bytes] = {}
         self._block_named: dict[bytes, int] = {}
         self._num_free_named = 0  # free blocks that still hold named KV (the cached prefixes)
+        self._pinned: set[int] = set()  # named blocks the pool itself holds a reference to (warm-up)
+        # Set to a deque to get (name, held) each time a name is recorded (True) or dropped (False), oldest
+        # first; another thread may drain it with popleft (a worker publishing its prefix index).
+        self.name_events: deque[tuple[bytes, bool]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,8 +46,17 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Free blocks that still hold a named prefix's KV (reusable until handed out)."""
-        return self._num_free_named
+        """Blocks holding a cached prefix's KV and no live request: free ones (reusable until handed out)
+        and pinned ones nobody else uses."""
+        return self._num_free_named + self._num_pinned_idle()
+
+    @property
+    def num_live_blocks(self) -> int:
+        """Blocks held by requests and reservations (pinned prefixes not counted unless a request uses them)."""
+        return self.num_used_blocks - self._num_pinned_idle()
+
+    def _num_pinned_idle(self) -> int:
+        return sum(1 for b in self._pinned if self._ref_counts[b] == 1)
 
     def usage(self) -> float:
         """Share of blocks in use, in [0, 1]."""
@@ -66,6 +79,8 @@ class BlockPool:
             if name is not None:
                 del self._block_named[name]
                 self._num_free_named -= 1
+                if self.name_events is not None:
+                    self.name_events.append((name, False))
         blocks.sort()
         return blocks
 
@@ -104,6 +119,8 @@ class BlockPool:
             return False
         self._name_of[block_id] = name
         self._block_named[name] = block_id
+        if self.name_events is not None:
+            self.name_events.append((name, True))
         return True
 
     def lookup(self, names: Sequence[bytes]) -> list[int]:
@@ -115,6 +132,13 @@ class BlockPool:
                 break
             out.append(b)
         return out
+
+    def pin(self, block_ids: Sequence[int]) -> int:
+        """Hold named blocks for good (warm-up): they are never evicted. Returns how many were not pinned yet."""
+        new = [b for b in dict.fromkeys(block_ids) if b not in self._pinned]
+        self.share(new)
+        self._pinned.update(new)
+        return len(new)
 
     def share(self, block_ids: Sequence[int]) -> None:
         """Take one more reference to named blocks found by :meth:`lookup`, free (cached) or in use."""

@@ -33,6 +33,7 @@ from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.disagg import KVHandoffMixin
 from common.engine.kv_cache import KVCacheSpec, PagedKVCache
 from common.engine.model_runner import ModelRunner
+from common.engine.prefix_cache import block_hashes
 from common.engine.request import (
     CompletionResult,
     FinishReason,
@@ -216,6 +217,16 @@ class LLMEngine(KVHandoffMixin):
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.ABORT
         return True
+
+    def pin_prefixes(self, prompts: Sequence[Sequence[int]]) -> int:
+        """Pin the cached full blocks of each prompt (computed before, e.g. by a 1-token request) so they are
+        never evicted: warm-up of frequent prefixes. Returns the number of blocks newly pinned."""
+        bs = self.config.block_size
+        pinned = 0
+        for prompt in prompts:
+            names = block_hashes([int(t) for t in prompt], bs)
+            pinned += self.block_pool.pin(self.block_pool.lookup(names))
+        return pinned
 
     def drain_timings(self) -> list[RequestTimings]:
         """Stage times of the requests that left the engine since the last call (oldest first)."""

@@ -232,7 +232,7 @@ class EngineLoop:
         self.stats = EngineStats(
             num_requests_running=e.num_requests_running,
             num_requests_waiting=e.num_requests_waiting,
-            kv_blocks_used=e.block_pool.num_used_blocks,
+            kv_blocks_used=e.block_pool.num_live_blocks,
             kv_blocks_total=e.block_pool.num_blocks,
             kv_blocks_reserved=e.reservations.num_reserved_blocks,
             kv_blocks_cached=e.block_pool.num_cached_blocks,

@@ -14,6 +14,8 @@ Key                                Type   TTL                                   
                                           ``finished_ttl_s`` once finished (60 s)     → status, operators
 ``{prefix}session:{session_id}``   hash   ``ttl_s`` (default 1800 s), restarted by    the router
                                           every ``put`` and ``append_tokens``         → the router
+``{prefix}prefix:{worker_id}``     set    the registry's ``ttl_s``, restarted by      the worker
+                                          every publish                              → the router
 =================================  =====  ==========================================  ======================
 
 Field layouts (all field values are byte strings; the codecs live in :mod:`common.state.records`):
@@ -25,6 +27,8 @@ Field layouts (all field values are byte strings; the codecs live in :mod:`commo
   ``deadline_s`` is ``""`` when absent. Integers are decimal (so ``HINCRBY`` works), floats ``repr``.
 - session hash: ``session_id``, ``decode_worker_id``, ``updated_at`` and ``token_ids``, the conversation's
   token ids packed as little-endian uint32 (4 bytes per token, appended atomically in a Lua script).
+- ``prefix:{worker_id}``: the names (16 raw bytes each, :mod:`common.engine.prefix_cache`) of the KV blocks
+  the worker's prefix cache holds, in use or cached; the router's prefix index.
 """
 
 from __future__ import annotations
@@ -63,3 +67,8 @@ def request_key(request_id: str, *, prefix: str = DEFAULT_PREFIX) -> str:
 def session_key(session_id: str, *, prefix: str = DEFAULT_PREFIX) -> str:
     """Hash of one conversation's :class:`SessionRecord`."""
     return f"{check_prefix(prefix)}session:{_check_id('session_id', session_id)}"
+
+
+def prefix_index_key(worker_id: str, *, prefix: str = DEFAULT_PREFIX) -> str:
+    """Set of the block names one worker's prefix cache holds."""
+    return f"{check_prefix(prefix)}prefix:{_check_id('worker_id', worker_id)}"

@@ -63,6 +63,7 @@ class WorkerInfo:
     kv_blocks_total: int
     kv_blocks_cached: int = 0  # held only by cached prefixes or sessions
     metrics_address: str = ""  # host:port of its Prometheus endpoint, "" = none
+    block_size: int = 16  # tokens per KV block (the router names prompt blocks alike for its prefix index)
     started_at: float = field(default_factory=time.time)  # unix time, s
     updated_at: float = field(default_factory=time.time)  # unix time, s, when the load was measured
     state: str = "ready"  # one of WORKER_STATES; a draining worker takes no new requests

@@ -28,6 +28,9 @@ class RouterConfig:
     local_prefill_threshold: int = field(
         default=0, metadata=_help("prompts shorter than this many tokens are prefilled on the decode worker (0: never)")
     )
+    prefix_load_penalty_tokens: int = field(
+        default=256, metadata=_help("cache-aware routing: prompt tokens one queued request on a worker is worth")
+    )
     session_ttl_s: float = field(default=1800.0, metadata=_help("how long Redis keeps an idle session's record"))
     retry_after_s: float = field(default=1.0, metadata=_help("retry hint sent with RESOURCE_EXHAUSTED / 429"))
     request_timeout_s: float = field(default=600.0, metadata=_help("deadline of a request without a client deadline"))

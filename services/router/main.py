@@ -12,6 +12,7 @@ from common.http.server import HttpFront
 from common.metrics.router import RouterMetrics
 from common.obs import Tracing
 from common.rpc.server import build_server
+from common.state.prefix_index import PrefixIndex
 from common.state.records import RequestStore, SessionStore
 from common.state.redis_client import connect
 from common.state.registry import WORKER_ROLES, WorkerRegistry
@@ -70,7 +71,8 @@ def run(
     metrics = RouterMetrics(view.all_workers, lambda: not view.degraded)
     tracing = Tracing("pdserve-router", config.otlp_endpoint)
     sessions = SessionStore(redis, prefix=config.redis_prefix, ttl_s=config.session_ttl_s)
-    servicer = RouterServicer(model, view, records, config, metrics, tracing, sessions)
+    index = PrefixIndex(redis, prefix=config.redis_prefix)
+    servicer = RouterServicer(model, view, records, config, metrics, tracing, sessions, index)
     server, port, health = build_server(
         lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s),
         [SERVICE_NAME], host=config.host, port=config.port, max_workers=64,

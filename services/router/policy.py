@@ -80,3 +80,28 @@ def pick_prefill(workers: list[WorkerInfo], tracker: LoadTracker, exclude: set[s
 
     best = min(candidates, key=score)
     return Choice(best, f"prefill {best.id}: {tracker.get(best.id)} in flight here, of {len(candidates)} candidates")
+
+
+def pick_prefill_cached(
+    workers: list[WorkerInfo], tracker: LoadTracker, exclude: set[str], cached_tokens: dict[str, int],
+    num_prompt: int, load_penalty_tokens: int,
+) -> Choice | None:
+    """Cache-aware: the prefill worker that saves the most prompt compute, net of its load.
+
+    Score = prompt tokens cached there (``cached_tokens``, from the prefix index) − ``load_penalty_tokens`` ×
+    (requests in flight from this router + waiting in its queue): one queued request is worth recomputing
+    that many tokens. Without a cached token anywhere this is :func:`pick_prefill`.
+    """
+    candidates = [w for w in workers if w.role == "prefill" and w.id not in exclude]
+    if not candidates or not any(cached_tokens.get(w.id, 0) for w in candidates):
+        return pick_prefill(workers, tracker, exclude)
+
+    def load(w: WorkerInfo) -> int:
+        return tracker.get(w.id) + w.num_requests_waiting
+
+    def score(w: WorkerInfo) -> tuple:
+        return (cached_tokens.get(w.id, 0) - load_penalty_tokens * load(w), -tracker.assigned(w.id), w.id)
+
+    best = max(candidates, key=score)
+    return Choice(best, f"prefill {best.id}: {cached_tokens.get(best.id, 0)} of {num_prompt} prompt tokens cached "
+                        f"there, {load(best)} queued or in flight, of {len(candidates)} candidates")

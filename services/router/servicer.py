@@ -26,14 +26,16 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.engine.prefix_cache import block_hashes
 from common.metrics.router import RequestTimer, RouterMetrics
 from common.obs import Tracing, call_scope, trace_id_of
 from common.rpc import convert
 from common.rpc.server import channel
+from common.state.prefix_index import PrefixIndex
 from common.state.records import RequestRecord, RequestStore, SessionRecord, SessionStore
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.router.config import RouterConfig
-from services.router.policy import Choice, LoadTracker, pick_decode, pick_prefill
+from services.router.policy import Choice, LoadTracker, pick_decode, pick_prefill, pick_prefill_cached
 from services.router.registry_view import RegistryView
 
 log = logging.getLogger(__name__)
@@ -74,11 +76,13 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         metrics: RouterMetrics,
         tracing: Tracing,
         sessions: SessionStore,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         self.model = model
         self.view = view
         self.records = records
         self.sessions = sessions
+        self.prefix_index = prefix_index
         self.config = config
         self.metrics = metrics
         self.tracing = tracing
@@ -190,7 +194,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             decode = pick_decode(workers, self.tracker, excluded)
         if decode is None:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, "no live decode worker", "")
-        prefill = pick_prefill(workers, self.tracker, excluded)
+        prefill = self._pick_prefill(prompt_ids, workers, excluded)
         threshold = self.config.local_prefill_threshold
         if not local_reason and len(prompt_ids) < threshold:
             local_reason = f"{decode.reason}; {len(prompt_ids)} prompt tokens < --local-prefill-threshold {threshold}"
@@ -280,6 +284,22 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             self.tracker.release(d.id)
             if not prefill_released:
                 self.tracker.release(p.id)
+
+    def _pick_prefill(self, prompt_ids: list[int], workers, excluded: set[str]) -> Choice | None:
+        """Cache-aware when the prefix index answers and there is a choice; else the load-only policy."""
+        candidates = [w for w in workers if w.role == "prefill" and w.id not in excluded]
+        if len(candidates) < 2 or self.prefix_index is None:
+            return pick_prefill(workers, self.tracker, excluded)
+        bs = candidates[0].block_size
+        names = block_hashes(prompt_ids, bs, max_blocks=(len(prompt_ids) - 1) // bs)
+        try:
+            blocks = self.prefix_index.overlap([w.id for w in candidates], names)
+        except Exception as exc:  # noqa: BLE001 - Redis away: route on load alone
+            log.debug("prefix index unavailable: %s", exc)
+            return pick_prefill(workers, self.tracker, excluded)
+        cached = {w: n * bs for w, n in blocks.items()}
+        return pick_prefill_cached(workers, self.tracker, excluded, cached, len(prompt_ids),
+                                   self.config.prefix_load_penalty_tokens)
 
     def _serve_local(self, rid, prompt_ids, sampling_msg, deadline_s, context, timer, d, reason: str):
         """Conditional disaggregation: the decode worker prefills the prompt itself (``prefill_here``)."""

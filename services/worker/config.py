@@ -32,6 +32,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget of one engine step"))
     prefill_chunk_size: int | None = field(default=None, metadata=_help("most prompt tokens per request per step"))
     prefix_caching: bool = field(default=True, metadata=_help("reuse the KV of cached prompt prefixes"))
+    warmup_file: str = field(default="", metadata=_help("JSONL of prefixes to compute and pin at start"))
     threads: int | None = field(default=None, metadata=_help("torch CPU threads"))
     default_max_tokens: int = field(default=64, metadata=_help("max_tokens when a request gives none"))
     kv_lease_s: float = field(default=30.0, metadata=_help("decode: longest KV reservation lease"))

@@ -19,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,10 +34,12 @@ from common.http.server import HttpFront
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing
 from common.rpc.server import build_server
+from common.state.prefix_index import PrefixIndex, PrefixPublisher
 from common.state.redis_client import connect, redact_url
 from common.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
 from pdserve import __version__
 from services.worker.config import WorkerConfig
+from services.worker.warmup import admin_route, prompt_ids, read_warmup_file, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +113,12 @@ def serve_worker(
         return {"role": role, "id": worker_id, "num_requests_running": stats.num_requests_running,
                 "num_requests_waiting": stats.num_requests_waiting, **(parts.details() if parts.details else {})}
 
+    if config.warmup_file:  # before serving: the router's first view already finds the prefixes cached
+        result = warm_up(loop, prompt_ids(loop, read_warmup_file(config.warmup_file)))
+        log.info("warm-up: %s", result)
     http = HttpFront(config.host, config.metrics_port)
     http.add_observability(metrics.registry, not_ready, details)
+    http.route("POST", "/admin/warmup", admin_route(loop))
     http.start()
     metrics_address = f"{config.advertise_host or config.host}:{http.port}"
 
@@ -122,12 +129,18 @@ def serve_worker(
             model=identity.model_fingerprint, version=__version__,
             num_requests_running=stats.num_requests_running, num_requests_waiting=stats.num_requests_waiting,
             kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
-            kv_blocks_cached=stats.kv_blocks_cached,
+            kv_blocks_cached=stats.kv_blocks_cached, block_size=engine.config.block_size,
             metrics_address=metrics_address, started_at=started_at, updated_at=time.time(),
             state="draining" if stop_event.is_set() else "ready",
         )  # fmt: skip
 
-    registry = WorkerRegistry(connect(config.redis_url), prefix=config.redis_prefix, ttl_s=config.heartbeat_ttl_s)
+    redis_client = connect(config.redis_url)
+    registry = WorkerRegistry(redis_client, prefix=config.redis_prefix, ttl_s=config.heartbeat_ttl_s)
+    publisher = None
+    if engine.config.prefix_caching:  # the router's prefix index learns what this worker's cache holds
+        engine.block_pool.name_events = deque()
+        index = PrefixIndex(redis_client, prefix=config.redis_prefix, ttl_s=config.heartbeat_ttl_s)
+        publisher = PrefixPublisher(index, worker_id, engine.block_pool.name_events)
     heartbeater = Heartbeater(registry, info, interval_s=min(1.0, config.heartbeat_ttl_s / 3))
     server.start()
     try:
@@ -146,6 +159,11 @@ def serve_worker(
     while not stop_event.wait(0.2):
         if parts.tick is not None:
             parts.tick()
+        if publisher is not None:
+            try:
+                publisher.flush()
+            except Exception as exc:  # noqa: BLE001 - Redis away: the heartbeater reports it; retry next tick
+                log.debug("prefix index not published: %s", exc)
 
     # -- drain --------------------------------------------------------------------------------------------
     log.info("%s worker %s draining", role, worker_id)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.state.registry import WorkerInfo
-from services.router.policy import LoadTracker, pick_decode, pick_prefill
+from services.router.policy import LoadTracker, pick_decode, pick_prefill, pick_prefill_cached
 
 
 def worker(wid: str, role: str, running: int = 0, waiting: int = 0, used: int = 0, total: int = 100) -> WorkerInfo:
@@ -62,3 +62,15 @@ def test_a_stale_busy_heartbeat_does_not_starve_a_worker():
         tracker.release(d)
         chosen.append(d)
     assert chosen == ["d0", "d1", "d0", "d1"]
+
+
+def test_cache_aware_prefill_weighs_cached_tokens_against_load():
+    workers = [worker("p0", "prefill"), worker("p1", "prefill")]
+    tracker = LoadTracker()
+    choice = pick_prefill_cached(workers, tracker, set(), {"p1": 512}, 600, load_penalty_tokens=256)
+    assert choice.worker.id == "p1" and "512 of 600 prompt tokens cached there" in choice.reason
+    tracker.acquire("p1")
+    tracker.acquire("p1")  # two in flight there cost 512 tokens: a tie on score, then the less used one
+    assert pick_prefill_cached(workers, tracker, set(), {"p1": 512}, 600, 256).worker.id == "p0"
+    assert pick_prefill_cached(workers, tracker, {"p0"}, {"p1": 512}, 600, 256).worker.id == "p1"
+    assert "in flight here" in pick_prefill_cached(workers, LoadTracker(), set(), {}, 600, 256).reason  # no cache
