@@ -32,8 +32,9 @@ class Backend(Protocol):
     name: str  # "grpc" | "http"
 
     def stream(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
-               timeout_s: float | None) -> Iterator[Chunk]:
-        """Send one request (exactly ``max_tokens`` new tokens: EOS ignored); yield its chunks as they arrive."""
+               timeout_s: float | None, session_id: str = "") -> Iterator[Chunk]:
+        """Send one request (exactly ``max_tokens`` new tokens: EOS ignored); yield its chunks as they arrive.
+        ``session_id``: the conversation it belongs to ("" = none)."""
         ...
 
     def status_of(self, exc: Exception) -> str:

@@ -23,9 +23,9 @@ class GrpcBackend:
         self._client = Client(address)  # one channel, shared by all request threads (channels are thread-safe)
 
     def stream(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
-               timeout_s: float | None) -> Iterator[Chunk]:
+               timeout_s: float | None, session_id: str = "") -> Iterator[Chunk]:
         pieces = self._client.stream(prompt_ids, timeout_s=timeout_s, max_tokens=max_tokens,
-                                     temperature=temperature, ignore_eos=True)
+                                     temperature=temperature, ignore_eos=True, session_id=session_id)
         for piece in pieces:
             if piece.token_ids:
                 yield Chunk(num_tokens=len(piece.token_ids), token_ids=list(piece.token_ids))

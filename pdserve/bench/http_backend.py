@@ -88,12 +88,15 @@ class HttpBackend:
         self._path = parts.path.rstrip("/") + "/v1/completions"
 
     def stream(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
-               timeout_s: float | None) -> Iterator[Chunk]:
+               timeout_s: float | None, session_id: str = "") -> Iterator[Chunk]:
         deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
-        body = json.dumps({
+        body = {
             "model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-        })  # fmt: skip
+        }  # fmt: skip
+        if session_id:
+            body["session_id"] = session_id
+        body = json.dumps(body)
         conn_cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = conn_cls(self._netloc, timeout=timeout_s)
         try:

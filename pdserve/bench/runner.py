@@ -51,8 +51,11 @@ class PassResult:
 def run_pass(backend: Backend, sessions: list[Session], *, vocab_size: int, temperature: float = 0.0,
              timeout_s: float | None = None, concurrency: int | None = None,
              start_offsets_s: list[float] | None = None, request_rate: float | None = None,
-             progress: bool = True, desc: str = "") -> PassResult:
+             progress: bool = True, desc: str = "", session_prefix: str | None = None) -> PassResult:
     """Run ``sessions``; give exactly one of ``concurrency`` or ``start_offsets_s`` (one offset per session).
+
+    ``session_prefix``: a multi-turn session's requests carry the session id ``{session_prefix}-{index}``
+    (the router then keeps the conversation's KV on one decode worker); None sends none.
 
     ``vocab_size`` bounds the stand-in ids of outputs the backend returns no ids for. ``request_rate`` is only
     recorded in the result.
@@ -73,8 +76,10 @@ def run_pass(backend: Backend, sessions: list[Session], *, vocab_size: int, temp
         output: list[int] = []
         for k, turn in enumerate(session.turns):
             prompt = next_prompt(prompt, output, turn.user_ids) if k else list(turn.user_ids)
+            sid = f"{session_prefix}-{session.index}" if session_prefix and len(session.turns) > 1 else ""
             record, output_ids = issue(backend, prompt, max_tokens=turn.max_tokens, temperature=temperature,
-                                       timeout_s=timeout_s, session_index=session.index, turn_index=k)
+                                       timeout_s=timeout_s, session_index=session.index, turn_index=k,
+                                       session_id=sid)
             if output_ids is None:
                 output_ids = random_ids(random.Random(f"output:{session.index}:{k}"), record.output_tokens,
                                         vocab_size)
@@ -102,16 +107,17 @@ def run_pass(backend: Backend, sessions: list[Session], *, vocab_size: int, temp
 
 
 def issue(backend: Backend, prompt_ids: list[int], *, max_tokens: int, temperature: float,
-          timeout_s: float | None, session_index: int = 0,
-          turn_index: int = 0) -> tuple[RequestRecord, list[int] | None]:
+          timeout_s: float | None, session_index: int = 0, turn_index: int = 0,
+          session_id: str = "") -> tuple[RequestRecord, list[int] | None]:
     """Send one request and time it. Returns its record and its output ids (``None`` if the backend gave none)."""
     record = RequestRecord(session_index=session_index, turn_index=turn_index, input_tokens=len(prompt_ids),
                            max_tokens=max_tokens, send_s=time.perf_counter(), end_s=0.0)
     output_ids: list[int] | None = []
     reported = None
     try:
+        extra = {"session_id": session_id} if session_id else {}
         for chunk in backend.stream(prompt_ids, max_tokens=max_tokens, temperature=temperature,
-                                    timeout_s=timeout_s):
+                                    timeout_s=timeout_s, **extra):
             now_s = time.perf_counter()
             if chunk.num_tokens:
                 record.arrivals.append((now_s, chunk.num_tokens))

@@ -28,6 +28,7 @@ import argparse
 import math
 import os
 import sys
+import uuid
 
 from pdserve.bench.workload import ARRIVALS
 
@@ -61,6 +62,8 @@ def add_parser(subparsers) -> None:
                       help="arrival process at a request rate (default poisson)")
     load.add_argument("--turns", type=_positive_int, metavar="T", default=1,
                       help="requests per session; each next prompt = previous prompt + output + new tokens")
+    load.add_argument("--no-session-ids", action="store_true",
+                      help="do not send a session id with multi-turn sessions (each turn is then routed anew)")
     load.add_argument("--timeout", type=_positive_float, metavar="SECONDS", default=None,
                       help="deadline per request in seconds")
 
@@ -122,7 +125,8 @@ def bench(args: argparse.Namespace) -> int:
                 offsets_s = workload.arrival_times_s(len(sessions), rate, args.arrival, seed=args.seed + i)
             result = run_pass(backend, sessions, vocab_size=spec.vocab_size, temperature=args.temperature,
                               timeout_s=args.timeout, concurrency=concurrency, start_offsets_s=offsets_s,
-                              request_rate=rate, progress=not args.no_progress, desc=f"pass {i + 1}/{len(loads)}")
+                              request_rate=rate, progress=not args.no_progress, desc=f"pass {i + 1}/{len(loads)}",
+                              session_prefix=None if args.no_session_ids else f"bench-{uuid.uuid4().hex[:12]}")
             summary = report.summarize(result, slo)
             print(report.format_summary(summary, slo), flush=True)
             runs.append(summary)

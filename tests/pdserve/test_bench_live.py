@@ -110,3 +110,19 @@ def test_http_bench_against_the_routers_openai_api_counts_like_grpc(cluster, tmp
     assert after["pdserve:generation_tokens_total"] - before["pdserve:generation_tokens_total"] == 96
     for key in LATENCY_KEYS:
         assert 0 < result[key]["p50"] <= result[key]["p99"], key
+
+
+def test_multi_turn_sessions_carry_session_ids_and_reuse_kv(cluster, tmp_path):
+    from common.state.records import SessionStore
+    from common.state.redis_client import connect
+
+    redis = connect(cluster.redis_url)
+    before = set(redis.keys("pdserve:session:bench-*"))
+    result = run_bench(cluster.router, tmp_path / "r.json", "--num-requests", "6", "--turns", "3", "--concurrency",
+                       "2", "--input-len", "20", "--output-len", "4")  # fmt: skip
+    assert (result["completed"], result["failed"]) == (6, 0)
+    keys = set(redis.keys("pdserve:session:bench-*")) - before
+    assert len(keys) == 2  # one record per session of this run
+    for key in keys:  # the whole conversation: 3 turns of 20 user tokens, 2 outputs fed back, the last output
+        session = SessionStore(redis).get(key.decode().split(":", 2)[2])
+        assert len(session.token_ids) == 3 * 20 + 3 * 4
