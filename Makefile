@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run run-engine test bench bench-disagg bench-cluster bench-http clean
+.PHONY: setup run run-engine test bench bench-disagg bench-cluster bench-http bench-reuse clean
 
 # torch is pinned to the CPU build that lies on these machines' disk; see README for CUDA machines.
 $(BIN)/.installed: pyproject.toml
@@ -53,6 +53,9 @@ bench-cluster: $(BIN)/.installed
 
 bench-http: $(BIN)/.installed
 	$(BIN)/python benchmarks/http_overhead.py
+
+bench-reuse: $(BIN)/.installed
+	$(BIN)/python benchmarks/kv_reuse.py
 
 clean:
 	rm -rf $(VENV) build
