@@ -13,7 +13,7 @@ handed out, so never evicted.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -31,6 +31,9 @@ class BlockPool:
         self._block_named: dict[bytes, int] = {}
         self._num_free_named = 0  # free blocks that still hold named KV (the cached prefixes)
         self._pinned: set[int] = set()  # named blocks the pool itself holds a reference to (warm-up)
+        # Called as on_evict(block_id, name) when a named free block is handed out, before its KV is
+        # overwritten: the prefix cache's spill tiers copy it out (see common.engine.kv_tiers).
+        self.on_evict: Callable[[int, bytes], None] | None = None
         # Set to a deque to get (name, held) each time a name is recorded (True) or dropped (False), oldest
         # first; another thread may drain it with popleft (a worker publishing its prefix index).
         self.name_events: deque[tuple[bytes, bool]] | None = None
@@ -77,6 +80,8 @@ class BlockPool:
             self._ref_counts[b] = 1
             name = self._name_of.pop(b, None)
             if name is not None:
+                if self.on_evict is not None:
+                    self.on_evict(b, name)
                 del self._block_named[name]
                 self._num_free_named -= 1
                 if self.name_events is not None:

@@ -32,6 +32,7 @@ from common.engine.cpu_linear import pack_linear_layers, packing_supported
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.disagg import KVHandoffMixin
 from common.engine.kv_cache import KVCacheSpec, PagedKVCache
+from common.engine.kv_tiers import KVTiers
 from common.engine.model_runner import ModelRunner
 from common.engine.prefix_cache import block_hashes
 from common.engine.request import (
@@ -106,6 +107,7 @@ class LLMEngine(KVHandoffMixin):
         self.kv_layer_sink = kv_layer_sink
         self._requests: dict[str, Request] = {}  # every request not yet finished and reported
         self.counters = EngineCounters()
+        self.kv_tiers: KVTiers | None = None
         self._left: list[RequestTimings] = []  # requests that left since the last drain_timings()
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
@@ -217,6 +219,23 @@ class LLMEngine(KVHandoffMixin):
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.ABORT
         return True
+
+    def attach_kv_tiers(self, tiers: KVTiers) -> None:
+        """Spill evicted prefix blocks to ``tiers`` and look missing prefixes up there (prefix caching on)."""
+        self.kv_tiers = tiers
+        self.block_pool.on_evict = lambda block, name: tiers.put(name, self.kv_cache.copy_block(block))
+        self.scheduler.tier_loader = self._load_from_tiers
+
+    def _load_from_tiers(self, names: Sequence[bytes]) -> list[int]:
+        """Fresh blocks holding the KV the tiers have for ``names`` from the first on (named, ref 1 each)."""
+        kvs = self.kv_tiers.get_run(names)[: self.block_pool.num_free_blocks]
+        if not kvs:
+            return []
+        blocks = self.block_pool.allocate(len(kvs))
+        for block, name, kv in zip(blocks, names, kvs):
+            self.kv_cache.load_block(block, kv)
+            self.block_pool.name(block, name)
+        return blocks
 
     def pin_prefixes(self, prompts: Sequence[Sequence[int]]) -> int:
         """Pin the cached full blocks of each prompt (computed before, e.g. by a 1-token request) so they are

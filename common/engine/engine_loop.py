@@ -55,6 +55,8 @@ class EngineStats:
     num_preemptions: int = 0
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    num_host_tier_hits: int = 0  # blocks brought back from the spill tiers (see common.engine.kv_tiers)
+    num_shared_tier_hits: int = 0
 
 
 class RequestStream:
@@ -241,6 +243,8 @@ class EngineLoop:
             num_preemptions=c.num_preemptions,
             num_prefix_cache_queries=c.num_prefix_cache_queries,
             num_prefix_cache_hits=c.num_prefix_cache_hits,
+            num_host_tier_hits=e.kv_tiers.num_host_hits if e.kv_tiers else 0,
+            num_shared_tier_hits=e.kv_tiers.num_shared_hits if e.kv_tiers else 0,
         )
 
     def _shutdown(self) -> None:

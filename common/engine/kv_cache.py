@@ -93,6 +93,16 @@ class PagedKVCache:
         kv = kv.view(2, h, batch, -1, d).transpose(1, 2)  # [2, B, H, L, D]
         return kv[0], kv[1]
 
+    # -- one block across all layers, for the spill tiers of the prefix cache ---------------------------------
+
+    def copy_block(self, block_id: int) -> torch.Tensor:
+        """A copy of one block's K and V in every layer: [L, 2, H, bs, D]."""
+        return self.data[:, :, :, block_id].clone()
+
+    def load_block(self, block_id: int, kv: torch.Tensor) -> None:
+        """Overwrite one block in every layer with ``kv`` [L, 2, H, bs, D] (from :meth:`copy_block`)."""
+        self.data[:, :, :, block_id].copy_(kv)
+
     # -- whole blocks, for the hand-off between engines -----------------------------------------------------
 
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

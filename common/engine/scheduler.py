@@ -22,6 +22,7 @@ as one request of ``max_model_len`` tokens fits the pool (checked when the engin
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.engine.block_pool import BlockPool
@@ -57,6 +58,8 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.watermark_blocks = watermark_blocks
         self.prefix_caching = prefix_caching
+        # names -> blocks loaded from the prefix cache's spill tiers (set by LLMEngine.attach_kv_tiers)
+        self.tier_loader: Callable[[Sequence[bytes]], list[int]] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -138,6 +141,8 @@ class Scheduler:
         request.block_names = block_hashes(request.all_token_ids, self.block_size, request.block_names, max_blocks)
         hits = self.block_pool.lookup(request.block_names[:max_blocks])
         self.block_pool.share(hits)
+        if self.tier_loader is not None and len(hits) < max_blocks:  # evicted here: maybe in a spill tier
+            hits = hits + self.tier_loader(request.block_names[len(hits) : max_blocks])
         request.block_ids = hits
         request.num_computed_tokens = request.num_cached_tokens = len(hits) * self.block_size
         request.num_named_blocks = len(hits)

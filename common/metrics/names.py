@@ -99,6 +99,9 @@ KV_BLOCKS_CACHED = _m("kv_cache_blocks_cached", "gauge",
 PREFIX_CACHE_QUERIES = _m("prefix_cache_queries", "counter",
                           "Tokens of admitted requests looked up in the prefix cache.")
 PREFIX_CACHE_HITS = _m("prefix_cache_hits", "counter", "Looked-up tokens whose KV came from the prefix cache.")
+PREFIX_CACHE_TIER_HITS = _m("prefix_cache_tier_hits", "counter",
+                            "KV blocks brought back from a spill tier of the prefix cache (host or shared).",
+                            ("tier",))
 NUM_PREEMPTIONS = _m("num_preemptions", "counter", "Requests preempted (their KV dropped, recomputed later).")
 QUEUE_TIME = _m("request_queue_time_seconds", "histogram",
                 "Per request: added to the engine to first scheduled.", buckets=LATENCY_BUCKETS_S)
@@ -113,8 +116,8 @@ KV_TRANSFER_BYTES = _m("kv_transfer_bytes", "counter", "KV bytes moved between w
 KV_TRANSFER_FAILURES = _m("kv_transfer_failures", "counter", "KV transfers that failed, by gRPC status.", ("code",))
 
 WORKER_METRICS = (REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_USED, KV_BLOCKS_TOTAL,
-                  KV_BLOCKS_CACHED, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PROMPT_TOKENS, GENERATION_TOKENS,
-                  NUM_PREEMPTIONS, QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_SECONDS, KV_TRANSFER_BYTES,
+                  KV_BLOCKS_CACHED, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREFIX_CACHE_TIER_HITS, PROMPT_TOKENS,
+                  GENERATION_TOKENS, NUM_PREEMPTIONS, QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_SECONDS, KV_TRANSFER_BYTES,
                   KV_TRANSFER_FAILURES, REDIS_UP)  # fmt: skip
 
 

@@ -41,6 +41,10 @@ class _EngineCollector(Collector):
                     (n.PREFIX_CACHE_HITS, s.num_prefix_cache_hits))  # fmt: skip
         for spec, value in counters:
             yield CounterMetricFamily(spec.name, spec.help, value=value)
+        tiers = CounterMetricFamily(n.PREFIX_CACHE_TIER_HITS.name, n.PREFIX_CACHE_TIER_HITS.help, labels=("tier",))
+        tiers.add_metric(("host",), s.num_host_tier_hits)
+        tiers.add_metric(("shared",), s.num_shared_tier_hits)
+        yield tiers
 
 
 class WorkerMetrics:

@@ -32,6 +32,13 @@ class WorkerConfig:
     max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget of one engine step"))
     prefill_chunk_size: int | None = field(default=None, metadata=_help("most prompt tokens per request per step"))
     prefix_caching: bool = field(default=True, metadata=_help("reuse the KV of cached prompt prefixes"))
+    kv_host_cache_blocks: int = field(
+        default=0, metadata=_help("prefix cache spill tier: evicted blocks kept in host memory (0: off)")
+    )
+    kv_shared_cache_blocks: int = field(
+        default=0, metadata=_help("prefix cache shared tier: most blocks kept in Redis for every worker (0: off)")
+    )
+    kv_shared_cache_ttl_s: float = field(default=600.0, metadata=_help("lifetime of a block in the shared tier"))
     warmup_file: str = field(default="", metadata=_help("JSONL of prefixes to compute and pin at start"))
     threads: int | None = field(default=None, metadata=_help("torch CPU threads"))
     default_max_tokens: int = field(default=64, metadata=_help("max_tokens when a request gives none"))

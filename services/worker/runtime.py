@@ -29,6 +29,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.engine_loop import EngineLoop
 from common.engine.identity import ModelIdentity
+from common.engine.kv_tiers import KVTiers, RedisKVStore
 from common.engine.loader import load_model
 from common.http.server import HttpFront
 from common.metrics.worker import WorkerMetrics
@@ -71,6 +72,22 @@ def build_engine(config: WorkerConfig) -> LLMEngine:
     return LLMEngine(loaded, EngineConfig.from_settings(config))
 
 
+def attach_kv_tiers(engine: LLMEngine, identity: ModelIdentity, config: WorkerConfig) -> None:
+    """The prefix cache's spill tiers, when configured: host memory, then blocks shared through Redis by every
+    worker whose KV identity (model, dtype, block shape) matches."""
+    if not engine.config.prefix_caching or not (config.kv_host_cache_blocks or config.kv_shared_cache_blocks):
+        return
+    shared = None
+    if config.kv_shared_cache_blocks:
+        spec = engine.kv_spec
+        space = f"{identity.model_fingerprint[:16]}-{str(spec.dtype).removeprefix('torch.')}-{spec.block_size}"
+        shared = RedisKVStore(connect(config.redis_url), prefix=config.redis_prefix, space=space,
+                              shape=(spec.num_layers, 2, spec.num_kv_heads, spec.block_size, spec.head_dim),
+                              dtype=spec.dtype, ttl_s=config.kv_shared_cache_ttl_s,
+                              max_blocks=config.kv_shared_cache_blocks)  # fmt: skip
+    engine.attach_kv_tiers(KVTiers(config.kv_host_cache_blocks, shared))
+
+
 def serve_worker(
     role: str,
     config: WorkerConfig,
@@ -88,6 +105,7 @@ def serve_worker(
     stop_event = stop_event or threading.Event()
     engine = build_engine(config)
     identity = ModelIdentity.of_engine(engine)
+    attach_kv_tiers(engine, identity, config)
     heartbeater: Heartbeater | None = None
     metrics = WorkerMetrics(role, lambda: loop.stats, lambda: heartbeater is not None and heartbeater.connected)
     loop = EngineLoop(engine, name=f"{role}-engine", on_request_finished=metrics.observe_request).start()

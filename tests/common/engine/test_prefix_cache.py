@@ -94,3 +94,48 @@ def test_prefilled_and_exported_blocks_stay_cached_for_the_next_prompt(loaded):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.counters.num_prefix_cache_hits == 48
+
+
+def test_evicted_prefixes_come_back_from_the_host_tier(loaded):
+    from common.engine.kv_tiers import KVTiers
+
+    tiers = KVTiers(host_blocks=64)
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=12, max_model_len=160, max_num_seqs=1))
+    engine.attach_kv_tiers(tiers)
+    plain = LLMEngine(loaded, EngineConfig(num_kv_blocks=12, max_model_len=160, max_num_seqs=1,
+                                           prefix_caching=False))
+    rng = random.Random(4)
+    a, b = ([rng.randrange(4, 4000) for _ in range(100)] for _ in range(2))
+    # a takes 7 of the 12 blocks; b takes the 5 never used, then a's last two (tail first: one of them
+    # named); a's prefix then comes back: 5 blocks from the device cache, the evicted one from the host tier.
+    prompts = [a + [5], b + [6], a + [7]]
+    assert [run(engine, p) for p in prompts] == [run(plain, p) for p in prompts]
+    assert tiers.num_host_hits == 1 and engine.counters.num_prefix_cache_hits == 96
+
+
+def test_the_shared_tier_carries_a_prefix_to_another_engine(loaded):
+    from common.engine.kv_tiers import KVTiers, RedisKVStore
+    from common.state.redis_client import connect
+    from tests.redis_server import RedisServer
+
+    rng = random.Random(8)
+    prefix = [rng.randrange(4, 4000) for _ in range(64)]
+    with RedisServer() as server:
+        def engine_with_store():
+            engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=10, max_model_len=150, max_num_seqs=1))
+            spec = engine.kv_spec
+            shape = (spec.num_layers, 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
+            store = RedisKVStore(connect(server.url), prefix="t:", space="tiny", shape=shape, dtype=spec.dtype,
+                                 ttl_s=60, max_blocks=8)
+            tiers = KVTiers(host_blocks=0, shared=store)
+            engine.attach_kv_tiers(tiers)
+            return engine, tiers
+
+        first, _ = engine_with_store()
+        run(first, prefix + [1])
+        run(first, [rng.randrange(4, 4000) for _ in range(140)])  # evicts the prefix into Redis
+        second, tiers = engine_with_store()
+        plain = LLMEngine(loaded, EngineConfig(num_kv_blocks=10, max_model_len=150, prefix_caching=False))
+        assert run(second, prefix + [2]) == run(plain, prefix + [2])
+        assert tiers.num_shared_hits == 4 and second.counters.num_prefix_cache_hits == 64
+        assert connect(server.url).zcard("t:kvblocks:tiny") <= 8  # the cap
