@@ -1,17 +1,19 @@
 """Block ids of the paged KV cache: allocate, share (ref counts), free, and remember by name (prefix caching).
 
 The pool owns no tensors (see :mod:`common.engine.kv_cache`); it only decides which block id belongs to
-whom. Invariants: a block is in the free queue exactly when its ref count is 0; a named block (see
-:mod:`common.engine.prefix_cache`) holds the KV its name describes, and no two blocks share a name.
+whom. Invariants: a block is free (never used, or in the free queue) exactly when its ref count is 0; a named
+block (see :mod:`common.engine.prefix_cache`) holds the KV its name describes, and no two blocks share a name.
 
-The free queue is least-recently-freed first. :meth:`allocate` takes blocks from its head, so a freed
-block keeps its KV (and name) as long as possible: a later request with the same prefix finds it with
-:meth:`lookup` and takes it back with :meth:`share` instead of computing it again. A block in use is never
-handed out, so never evicted.
+:meth:`allocate` takes never-used blocks first, then from the head of the free queue (least recently
+freed first), so a freed block keeps its KV (and name) as long as possible: a later request with the same
+prefix finds it with :meth:`lookup` and takes it back with :meth:`share` instead of computing it again. A
+block in use is never handed out, so never evicted; :meth:`expire_cached` drops the names of blocks freed
+too long ago (a TTL).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
@@ -26,7 +28,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head: freed longest ago
+        self._fresh: deque[int] = deque(range(num_blocks))  # never handed out: taken first, in id order
+        self._free: OrderedDict[int, float] = OrderedDict()  # freed block -> monotonic time; head: oldest
         self._name_of: dict[int, bytes] = {}
         self._block_named: dict[bytes, int] = {}
         self._num_free_named = 0  # free blocks that still hold named KV (the cached prefixes)
@@ -41,11 +44,11 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out (cached ones included: they are evicted when handed out)."""
-        return len(self._free)
+        return len(self._fresh) + len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -66,16 +69,16 @@ class BlockPool:
         return self.num_used_blocks / self.num_blocks
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free_blocks
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (ref count 1 each, their names dropped), in ascending id order (runs of
         consecutive blocks make KV copies cheap); all or nothing."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"asked for {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        blocks = [self._free.popitem(last=False)[0] for _ in range(n)]
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {n} KV blocks, {self.num_free_blocks} free of {self.num_blocks}")
+        blocks = [self._fresh.popleft() if self._fresh else self._free.popitem(last=False)[0] for _ in range(n)]
         for b in blocks:
             self._ref_counts[b] = 1
             name = self._name_of.pop(b, None)
@@ -106,9 +109,26 @@ class BlockPool:
                 raise ValueError(f"block {b} freed more often than allocated")
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
-                self._free[b] = None
+                self._free[b] = time.monotonic()
                 if b in self._name_of:
                     self._num_free_named += 1
+
+    def expire_cached(self, max_idle_s: float) -> int:
+        """Drop the names of cached blocks freed more than ``max_idle_s`` ago (their KV will not be reused);
+        returns how many. Looks at the free queue's head only, so it costs nothing when nothing expires."""
+        deadline = time.monotonic() - max_idle_s
+        dropped = 0
+        for b, freed_at in self._free.items():
+            if freed_at > deadline:
+                break
+            name = self._name_of.pop(b, None)
+            if name is not None:
+                del self._block_named[name]
+                self._num_free_named -= 1
+                dropped += 1
+                if self.name_events is not None:
+                    self.name_events.append((name, False))
+        return dropped
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]

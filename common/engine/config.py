@@ -32,6 +32,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's choice
     cpu_packed_linear: bool = True  # oneDNN matmuls over pre-packed weights on the CPU (see cpu_linear)
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (see prefix_cache)
+    prefix_cache_ttl_s: float | None = None  # forget cached blocks unused this long (None: only LRU eviction)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -58,6 +59,7 @@ class EngineConfig:
             prefill_chunk_size=settings.prefill_chunk_size,
             num_threads=settings.threads,
             prefix_caching=getattr(settings, "prefix_caching", True),
+            prefix_cache_ttl_s=getattr(settings, "prefix_cache_ttl_s", None) or None,
         )
 
     @property

@@ -276,6 +276,8 @@ class LLMEngine(KVHandoffMixin):
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; returns an output for every request that produced something."""
         self.reservations.expire()
+        if self.config.prefix_cache_ttl_s is not None:
+            self.block_pool.expire_cached(self.config.prefix_cache_ttl_s)
         sched = self.scheduler.schedule()
         self.counters.num_preemptions += len(sched.preempted)
         if not sched.scheduled:

@@ -78,3 +78,20 @@ def test_named_blocks_are_reused_until_handed_out_and_the_tail_goes_first():
         pool.share([got[0]])
     with pytest.raises(ValueError, match="only allocated blocks get names"):
         BlockPool(1).name(0, b"n")
+
+
+def test_cached_blocks_expire_after_their_ttl(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("common.engine.block_pool.time.monotonic", lambda: now[0])
+    pool = BlockPool(4)
+    a, b = pool.allocate(1) + pool.allocate(1)
+    pool.name(a, b"a")
+    pool.name(b, b"b")
+    pool.free([a])
+    now[0] = 105.0
+    pool.free([b])
+    assert pool.expire_cached(10.0) == 0
+    now[0] = 112.0  # a idle 12 s, b 7 s
+    assert pool.expire_cached(10.0) == 1
+    assert pool.lookup([b"a"]) == [] and pool.lookup([b"b"]) == [b] and pool.num_cached_blocks == 1
+    assert pool.num_free_blocks == 4  # expiring drops the name, not the block
