@@ -38,6 +38,7 @@ class Piece:
     decode_worker_id: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    migrations: int = 0
 
 
 @dataclass
@@ -50,13 +51,14 @@ class Result:
     decode_worker_id: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    migrations: int = 0
 
     def add(self, piece: Piece) -> None:
         """Fold one streamed piece into the result."""
         self.token_ids += piece.token_ids
         self.text += piece.text
         for name in ("finish_reason", "request_id", "prefill_worker_id", "decode_worker_id", "prompt_tokens",
-                     "completion_tokens"):
+                     "completion_tokens", "migrations"):
             setattr(self, name, getattr(piece, name) or getattr(self, name))
 
 
@@ -128,6 +130,7 @@ class Client:
                     request_id=msg.request_id,
                     prefill_worker_id=msg.prefill_worker_id, decode_worker_id=msg.decode_worker_id,
                     prompt_tokens=msg.usage.prompt_tokens, completion_tokens=msg.usage.completion_tokens,
+                    migrations=msg.migrations,
                 )  # fmt: skip
         finally:
             call.cancel()  # no-op once the stream ended; cancels the request if the caller stopped early

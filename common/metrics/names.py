@@ -67,6 +67,8 @@ GENERATION_TOKENS = _m("generation_tokens", "counter",
                        "Generated tokens (router: delivered to clients; worker: sampled by the engine).")
 REQUEST_SUCCESS = _m("request_success", "counter", "Requests finished, by finish reason.", ("finished_reason",))
 REQUEST_FAILURES = _m("request_failures", "counter", "Requests that ended in an error, by gRPC status.", ("code",))
+REQUEST_MIGRATIONS = _m("request_migrations", "counter",
+                        "Requests moved to another decode worker mid-stream (theirs failed); each move counts.")
 HANDOFF_RETRIES = _m("handoff_retries", "counter", "Hand-offs retried on another worker pair, by gRPC status.",
                      ("code",))
 REPETITION = _m("request_repetition_ratio", "histogram",
@@ -84,7 +86,7 @@ REDIS_UP = _m("redis_up", "gauge", "1 if the last Redis operation of this servic
 
 ROUTER_METRICS = (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY,
                   ROUTER_REQUESTS_RUNNING, REQUESTS_RECEIVED, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS,
-                  REQUEST_FAILURES, HANDOFF_RETRIES, REPETITION, WORKERS, POOL_REQUESTS_WAITING,
+                  REQUEST_FAILURES, HANDOFF_RETRIES, REQUEST_MIGRATIONS, REPETITION, WORKERS, POOL_REQUESTS_WAITING,
                   POOL_REQUESTS_RUNNING, POOL_KV_USAGE, REDIS_UP)  # fmt: skip
 
 # -- workers ------------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ class RouterMetrics:
         self.prompt_tokens, self.generation_tokens = m[n.PROMPT_TOKENS.name], m[n.GENERATION_TOKENS.name]
         self.success, self.failures = m[n.REQUEST_SUCCESS.name], m[n.REQUEST_FAILURES.name]
         self.retries, self.repetition = m[n.HANDOFF_RETRIES.name], m[n.REPETITION.name]
+        self.migrations = m[n.REQUEST_MIGRATIONS.name]
         for reason in FINISH_REASONS:  # labelled series appear once touched: touch the usual ones
             self.success.labels(reason)
         for code in FAILURE_CODES:

@@ -143,6 +143,7 @@ class RequestRecord:
     error: str = ""
     route_reason: str = ""  # why the router chose these workers
     trace_id: str = ""  # OpenTelemetry trace id (32 hex) of the request, "" = none
+    num_migrations: int = 0  # times it moved to another decode worker mid-stream
     # Stage times, unix s, 0.0 = not reached (``created_at`` is when the router received it); `pdserve trace`.
     routed_at: float = 0.0  # KV reserved on the decode worker, prefill worker chosen
     queued_at: float = 0.0  # joined the prefill worker's engine queue

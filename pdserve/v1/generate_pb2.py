@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import types_pb2 as pdserve_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\x1a\x16pdserve/v1/types.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xac\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\nsession_id\x18\x05 \x01(\tB\x08\n\x06prompt\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x19\n\x11prefill_worker_id\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x08 \x01(\t2Z\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\x1a\x16pdserve/v1/types.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xac\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\nsession_id\x18\x05 \x01(\tB\x08\n\x06prompt\"\x8f\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x19\n\x11prefill_worker_id\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x08 \x01(\t\x12\x12\n\nmigrations\x18\t \x01(\r2Z\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=91
   _globals['_GENERATEREQUEST']._serialized_end=263
   _globals['_GENERATERESPONSE']._serialized_start=266
-  _globals['_GENERATERESPONSE']._serialized_end=517
-  _globals['_GENERATESERVICE']._serialized_start=519
-  _globals['_GENERATESERVICE']._serialized_end=609
+  _globals['_GENERATERESPONSE']._serialized_end=537
+  _globals['_GENERATESERVICE']._serialized_start=539
+  _globals['_GENERATESERVICE']._serialized_end=629
 # @@protoc_insertion_point(module_scope)

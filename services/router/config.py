@@ -32,6 +32,9 @@ class RouterConfig:
         default=256, metadata=_help("cache-aware routing: prompt tokens one queued request on a worker is worth")
     )
     session_ttl_s: float = field(default=1800.0, metadata=_help("how long Redis keeps an idle session's record"))
+    max_migrations: int = field(
+        default=2, metadata=_help("times a request may move to another decode worker when its own fails mid-stream")
+    )
     retry_after_s: float = field(default=1.0, metadata=_help("retry hint sent with RESOURCE_EXHAUSTED / 429"))
     request_timeout_s: float = field(default=600.0, metadata=_help("deadline of a request without a client deadline"))
     otlp_endpoint: str = field(

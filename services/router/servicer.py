@@ -32,11 +32,14 @@ from common.obs import Tracing, call_scope, trace_id_of
 from common.rpc import convert
 from common.rpc.server import channel
 from common.state.prefix_index import PrefixIndex
-from common.state.records import RequestRecord, RequestStore, SessionRecord, SessionStore
+from common.state.records import RequestStore, SessionRecord, SessionStore
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.router.config import RouterConfig
+from services.router.decode_stream import DecodeStreamMixin
+from services.router.errors import HandoffError
 from services.router.policy import Choice, LoadTracker, pick_decode, pick_prefill, pick_prefill_cached
 from services.router.registry_view import RegistryView
+from services.router.request_records import RecordsMixin
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_MS_KEY = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED answer: when to retry
@@ -59,14 +62,7 @@ class ModelInfo:
     max_model_len: int
 
 
-class HandoffError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, worker_id: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.worker_id = worker_id
-
-
-class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
+class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.GenerateServiceServicer):
     def __init__(
         self,
         model: ModelInfo,
@@ -278,7 +274,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                 timeout=max(0.1, deadline_s - time.monotonic()), metadata=metadata,
             )
             context.add_callback(call.cancel)  # the client went away: stop decoding (frees the blocks)
-            yield from self._relay(rid, call, decode_stub, d.id, p.id, len(prompt_ids), emitted, timer, context)
+            yield from self._relay(rid, call, decode_stub, d.id, p.id, prompt_ids, emitted, timer, context,
+                                   sampling_msg, deadline_s)
             return d.id
         finally:
             self.tracker.release(d.id)
@@ -300,119 +297,3 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         cached = {w: n * bs for w, n in blocks.items()}
         return pick_prefill_cached(workers, self.tracker, excluded, cached, len(prompt_ids),
                                    self.config.prefix_load_penalty_tokens)
-
-    def _serve_local(self, rid, prompt_ids, sampling_msg, deadline_s, context, timer, d, reason: str):
-        """Conditional disaggregation: the decode worker prefills the prompt itself (``prefill_here``)."""
-        decode_stub = worker_pb2_grpc.DecodeServiceStub(self._channel(d.address))
-        self.tracker.acquire(d.id)
-        try:
-            now = time.time()
-            self._record_update(rid, status="decoding", decode_worker_id=d.id, route_reason=reason, routed_at=now,
-                                decode_started_at=now)
-            call = decode_stub.Decode(
-                worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
-                                         prefill_here=True),
-                timeout=max(0.1, deadline_s - time.monotonic()), metadata=self.tracing.outgoing_metadata(),
-            )  # fmt: skip
-            context.add_callback(call.cancel)
-            yield from self._relay(rid, call, decode_stub, d.id, "", len(prompt_ids), 0, timer, context)
-            return d.id
-        finally:
-            self.tracker.release(d.id)
-
-    def _relay(self, rid, call, decode_stub, d_id: str, p_id: str, num_prompt: int, emitted: int,
-               timer: RequestTimer, context):
-        """Relay a Decode stream to the client, then the last message. A failure before any token reached
-        the client (a local prefill) raises HandoffError; after that it ends the call."""
-        finish = types_pb2.FINISH_REASON_UNSPECIFIED
-        sent = emitted > 0
-        try:
-            for piece in call:
-                emitted += len(piece.token_ids)
-                finish = piece.finish_reason
-                if piece.token_ids or piece.text:
-                    timer.on_tokens(piece.token_ids)
-                    message = generate_pb2.GenerateResponse(request_id=rid, token_ids=piece.token_ids,
-                                                            text=piece.text, logprobs=piece.logprobs)
-                    if not sent:  # the first message names the workers
-                        message.prefill_worker_id, message.decode_worker_id, sent = p_id, d_id, True
-                        self._record_update(rid, first_token_at=timer.first_token_at)
-                    yield message
-        except grpc.RpcError as exc:
-            self._release(decode_stub, rid)  # the call may have ended before the worker admitted it
-            if not sent and exc.code() is not grpc.StatusCode.CANCELLED:
-                raise HandoffError(exc.code(), f"decode worker {d_id} could not serve it: {exc.details()}", d_id)
-            status = "aborted" if exc.code() is grpc.StatusCode.CANCELLED else "failed"
-            self._record_finish(rid, status, timer, emitted, error=exc.details() or "")
-            timer.fail(exc.code().name)
-            context.abort(exc.code(), f"decode worker {d_id} failed mid-stream: {exc.details()}")
-        yield self._last(rid, finish, num_prompt, emitted, p_id, d_id)
-        self._record_finish(rid, "finished", timer, emitted, finish)
-
-    def _sticky_decode(self, session: SessionRecord | None, workers, excluded: set[str]) -> Choice | None:
-        """The decode worker that served the session's last turn, if it is live and not excluded."""
-        if session is None or not session.decode_worker_id or session.decode_worker_id in excluded:
-            return None
-        worker = next((w for w in workers if w.role == "decode" and w.id == session.decode_worker_id), None)
-        if worker is None:
-            return None
-        return Choice(worker, f"session {session.session_id}: its last turn's KV is on {worker.id}")
-
-    @staticmethod
-    def _last(rid, finish, num_prompt, num_emitted, prefill_id, decode_id) -> generate_pb2.GenerateResponse:
-        return generate_pb2.GenerateResponse(
-            request_id=rid, finish_reason=finish,
-            usage=types_pb2.Usage(prompt_tokens=num_prompt, completion_tokens=num_emitted),
-            prefill_worker_id=prefill_id, decode_worker_id=decode_id,
-        )  # fmt: skip
-
-    def _release(self, decode_stub, rid: str) -> None:
-        try:
-            decode_stub.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid), timeout=5.0)
-        except grpc.RpcError as exc:  # the lease frees the blocks anyway
-            log.warning("could not release KV of %s: %s", rid, exc.details())
-
-    # -- request records (best effort: Redis trouble never fails a request) -------------------------------
-
-    # -- sessions (best effort too: without its record a turn is served by a full prefill) ---------------
-
-    def _session_load(self, session_id: str) -> SessionRecord | None:
-        try:
-            return self.sessions.get(session_id)
-        except Exception as exc:  # noqa: BLE001 - Redis trouble or a bad id: serve the turn from scratch
-            log.debug("session %s not read: %s", session_id, exc)
-            return None
-
-    def _session_save(self, session_id: str, token_ids: list[int], decode_id: str) -> None:
-        self._best_effort(self.sessions.put, SessionRecord(session_id=session_id, token_ids=token_ids,
-                                                           decode_worker_id=decode_id))
-
-    def _record_create(self, rid: str, num_prompt: int, trace_id: str) -> None:
-        self._best_effort(self.records.create, RequestRecord(request_id=rid, status="queued",
-                                                             num_prompt_tokens=num_prompt, trace_id=trace_id))
-
-    def _record_update(self, rid: str, **fields) -> None:
-        self._best_effort(self.records.update, rid, **fields)
-
-    def _record_finish(self, rid: str, status: str, timer: RequestTimer, emitted: int = 0, finish=None,
-                       error: str = "") -> None:
-        """The request's terminal record; finished ones also count at the router (``timer.finish``)."""
-        reason = convert.finish_reason_from_proto(finish) if finish is not None else None
-        if status == "finished":
-            timer.finish(reason.value if reason else "")
-        ttft_ms = (timer.first_token_s - timer.start_s) * 1e3 if timer.first_token_s is not None else -1.0
-        log.info("request %s %s (%s): %d tokens, TTFT %.1f ms, %.1f ms in all", rid, status,
-                 reason.value if reason else error, emitted, ttft_ms, (time.monotonic() - timer.start_s) * 1e3)
-        fields = {"last_token_at": timer.last_token_at} if timer.last_token_at else {}
-        if emitted:
-            fields["num_tokens_emitted"] = emitted
-        if fields:
-            self._best_effort(self.records.update, rid, **fields)
-        self._best_effort(self.records.finish, rid, status, finish_reason=reason.value if reason else "", error=error)
-
-    @staticmethod
-    def _best_effort(fn, *args, **kwargs) -> None:
-        try:
-            fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001
-            log.debug("request record not written: %s", exc)

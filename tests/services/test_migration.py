@@ -1,0 +1,62 @@
+"""A decode worker killed (SIGKILL) mid-stream: the router moves the request to another decode worker, which
+re-prefills the prompt and the tokens already sent; the client sees one stream, nothing missing or repeated,
+equal to stock ``generate`` (real processes: ``pdserve up`` with 2 decode workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from pdserve.client import Client, Result
+from tests.cli import REPO, pdserve
+from tests.conftest import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "up", "--model", model_dir, "--decode", "2", "--log-dir",
+         str(tmp_path_factory.mktemp("migration-logs")), "--worker-arg=--kv-cache-memory=6e7",
+         "--worker-arg=--heartbeat-ttl-s=3"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    ready: list[str] = []
+    reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(240)
+    if not ready or not ready[0].startswith("pdserve ready: "):
+        proc.kill()
+        raise RuntimeError(f"pdserve up did not become ready: {ready} {proc.stderr.read()[-3000:]}")
+    fields = ready[0].split()
+    yield {"router": fields[2], **dict(f.split("=", 1) for f in fields[3:])}
+    proc.send_signal(signal.SIGINT)
+    proc.wait(60)
+
+
+def test_killed_decode_worker_mid_stream_costs_a_migration_not_a_failure(cluster, model_dir, hf_reference):
+    prompt = [(13 * i) % 3000 + 20 for i in range(40)]
+    workers = {w["id"]: w for w in json.loads(pdserve("status", "--json", "--redis-url", cluster["redis"]).stdout)[
+        "workers"]}
+    result = Result()
+    with Client(cluster["router"], timeout_s=120) as client:
+        for i, piece in enumerate(client.stream(prompt, max_tokens=120, temperature=0.0, ignore_eos=True)):
+            result.add(piece)
+            if i == 10:  # mid-stream: kill the decode worker serving it
+                os.kill(workers[result.decode_worker_id]["pid"], signal.SIGKILL)
+                killed = result.decode_worker_id
+    assert result.migrations == 1 and result.decode_worker_id != killed
+    assert result.finish_reason == "length" and result.completion_tokens == 120
+    assert result.token_ids == hf_greedy(hf_reference(model_dir), prompt, 120)  # nothing missing or repeated
+    out = pdserve("generate", "The class", "--router", cluster["router"], "--max-tokens", "4", "--json").stdout
+    assert json.loads(out)["migrations"] == 0
