@@ -60,3 +60,59 @@ def test_killed_decode_worker_mid_stream_costs_a_migration_not_a_failure(cluster
     assert result.token_ids == hf_greedy(hf_reference(model_dir), prompt, 120)  # nothing missing or repeated
     out = pdserve("generate", "The class", "--router", cluster["router"], "--max-tokens", "4", "--json").stdout
     assert json.loads(out)["migrations"] == 0
+
+
+@pytest.fixture(scope="module")
+def two_prefill_cluster(model_dir, tmp_path_factory):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "up", "--model", model_dir, "--prefill", "2", "--log-dir",
+         str(tmp_path_factory.mktemp("prefill-kill-logs")), "--worker-arg=--kv-cache-memory=6e7",
+         "--worker-arg=--heartbeat-ttl-s=3", "--prefill-arg=--prefill-chunk-size=16",
+         "--prefill-arg=--max-num-batched-tokens=16"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    ready: list[str] = []
+    reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(240)
+    if not ready or not ready[0].startswith("pdserve ready: "):
+        proc.kill()
+        raise RuntimeError(f"pdserve up did not become ready: {ready} {proc.stderr.read()[-3000:]}")
+    fields = ready[0].split()
+    yield {"router": fields[2], **dict(f.split("=", 1) for f in fields[3:])}
+    proc.send_signal(signal.SIGINT)
+    proc.wait(60)
+
+
+def test_killed_prefill_worker_mid_prefill_is_retried_on_the_other(two_prefill_cluster, model_dir, hf_reference):
+    import time
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    c = two_prefill_cluster
+    workers = json.loads(pdserve("status", "--json", "--redis-url", c["redis"]).stdout)["workers"]
+    prefills = [w for w in workers if w["role"] == "prefill"]
+
+    def running(w) -> float:
+        text = urllib.request.urlopen(f"http://{w['metrics_address']}/metrics", timeout=5).read().decode()
+        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == "pdserve:num_requests_running")
+
+    prompt = [(7 * i) % 4000 + 4 for i in range(1500)]  # ~100 engine steps of 16 tokens on the prefill worker
+    outcome: dict = {}
+    with Client(c["router"], timeout_s=120) as client:
+        thread = threading.Thread(target=lambda: outcome.update(
+            result=client.generate(prompt, max_tokens=4, temperature=0.0, ignore_eos=True)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        busy = None
+        while busy is None and time.monotonic() < deadline:
+            busy = next((w for w in prefills if running(w)), None)
+            time.sleep(0.01)
+        assert busy is not None, "the prefill never started"
+        os.kill(busy["pid"], signal.SIGKILL)
+        thread.join(120)
+    result = outcome["result"]
+    assert result.prefill_worker_id not in ("", busy["id"])
+    assert result.token_ids == hf_greedy(hf_reference(model_dir), prompt, 4)

@@ -137,7 +137,7 @@ def test_log_lines_carry_the_request_id(cluster):
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter("test"))
-    logger = logging.getLogger("services.router.servicer")
+    logger = logging.getLogger("services.router")
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)
