@@ -42,6 +42,7 @@ SERVICE_NAME = "pdserve.v1.DecodeService"
 
 
 PUSH_QUEUE_CHUNKS = 8  # chunks received ahead of the writer (8 x 4 MiB)
+ADMIT_WINDOW_S = 10.0  # how long a reservation whose KV is complete waits for its Decode call
 
 
 @dataclass
@@ -204,6 +205,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         except ValueError as exc:  # WireFormatError, ChecksumError, ChunkRejectedError
             self.release(rid)
             return grpc.StatusCode.DATA_LOSS, f"bad KV chunk for request {rid}: {exc}"
+        if reservation.assembler.complete:  # Decode follows at once; if it never comes (the router died), the
+            # blocks go back after the admission window instead of the whole lease
+            reservation.expires_at_s = min(reservation.expires_at_s, time.monotonic() + ADMIT_WINDOW_S)
         outcome.num_chunks += 1
         outcome.num_bytes += len(chunk)
         outcome.touched.add(rid)

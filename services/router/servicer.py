@@ -245,28 +245,29 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                 self.tracker.release(p.id)
                 prefill_released = True
             emitted = len(first.token_ids)
-            timer.on_tokens(first.token_ids)
-            stages = dict(queued_at=first.queued_at, prefill_started_at=first.prefill_started_at,
-                          prefill_finished_at=first.first_token_at, kv_transfer_started_at=first.kv_transfer_started_at,
-                          kv_transfer_finished_at=first.kv_transfer_finished_at, first_token_at=timer.first_token_at)
-            yield generate_pb2.GenerateResponse(
+            first_message = generate_pb2.GenerateResponse(
                 request_id=rid, token_ids=first.token_ids, text=first.text, logprobs=first.logprobs,
                 prefill_worker_id=p.id, decode_worker_id=d.id,
-            )
+            )  # fmt: skip
+            stages = dict(queued_at=first.queued_at, prefill_started_at=first.prefill_started_at,
+                          prefill_finished_at=first.first_token_at, kv_transfer_started_at=first.kv_transfer_started_at,
+                          kv_transfer_finished_at=first.kv_transfer_finished_at)
             if first.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED:
                 self._release(decode_stub, rid)
+                timer.on_tokens(first.token_ids)
+                yield first_message
                 yield self._last(rid, first.finish_reason, len(prompt_ids), emitted, p.id, d.id)
-                self._record_update(rid, **stages)
+                self._record_update(rid, first_token_at=timer.first_token_at, **stages)
                 self._record_finish(rid, "finished", timer, emitted, first.finish_reason)
                 return d.id
-            # 4. decode and relay (a client gone by now: free the reservation instead)
+            # 4. decode and relay (a client gone by now: free the reservation instead). Decode starts before the
+            # first token goes out: the reservation never waits on the client, so a router that dies now
+            # leaves no KV behind for longer than the decode worker's admission window.
             if not context.is_active():
                 self._release(decode_stub, rid)
                 self._record_finish(rid, "aborted", timer, emitted, error="cancelled by the client")
                 timer.fail(grpc.StatusCode.CANCELLED.name)
                 context.abort(grpc.StatusCode.CANCELLED, f"request {rid} cancelled by the client")
-            self._record_update(rid, status="decoding", num_tokens_emitted=emitted, decode_started_at=time.time(),
-                                **stages)
             call = decode_stub.Decode(
                 worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                          output_token_ids=first.token_ids, sampling=sampling_msg,
@@ -274,6 +275,10 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                 timeout=max(0.1, deadline_s - time.monotonic()), metadata=metadata,
             )
             context.add_callback(call.cancel)  # the client went away: stop decoding (frees the blocks)
+            timer.on_tokens(first.token_ids)
+            self._record_update(rid, status="decoding", num_tokens_emitted=emitted, decode_started_at=time.time(),
+                                first_token_at=timer.first_token_at, **stages)
+            yield first_message
             yield from self._relay(rid, call, decode_stub, d.id, p.id, prompt_ids, emitted, timer, context,
                                    sampling_msg, deadline_s)
             return d.id
