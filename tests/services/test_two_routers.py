@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -88,3 +89,37 @@ def test_either_router_serves_and_killing_one_costs_only_its_streams(cluster):
     while kv_blocks_used(cluster):  # the dead router's calls ended: the workers freed its blocks
         assert time.monotonic() < deadline, "KV of the dead router's stream is still held"
         time.sleep(0.1)
+
+
+def test_sigterm_on_a_router_finishes_its_streams_and_exits_0(cluster, tiny_model_dir):
+    port, http_port = free_port(), free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "router", "--model", tiny_model_dir("llama"), "--port", str(port),
+         "--http-port", str(http_port), "--redis-url", cluster["redis"], "--registry-refresh-s", "0.1"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert wait_for_grpc_health(f"127.0.0.1:{port}", timeout_s=60)
+        prompt = [(19 * i) % 3000 + 50 for i in range(20)]
+        with Client(f"127.0.0.1:{port}", timeout_s=60) as client:
+            deadline = time.monotonic() + 10
+            while True:  # until its registry view lists the workers
+                try:
+                    stream = client.stream(prompt, max_tokens=120, temperature=0.0, ignore_eos=True)
+                    first = next(stream)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+            router.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=2)
+                ready = 200
+            except urllib.error.HTTPError as exc:
+                ready = exc.code
+            assert ready == 503  # not ready while it drains
+            assert len(first.token_ids) + sum(len(p.token_ids) for p in stream) == 120  # finished, not cut
+        assert router.wait(30) == 0
+    finally:
+        router.kill()
