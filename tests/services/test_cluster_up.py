@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,8 +20,9 @@ import redis as redis_lib
 import torch
 
 from pdserve.client import Client
-from tests.cli import REPO, pdserve
+from tests.cli import pdserve
 from tests.conftest import hf_greedy
+from tests.services.up import pdserve_up
 
 HEARTBEAT_TTL_S = 3.0
 
@@ -35,25 +34,11 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("up-logs")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", model_dir, "--prefill", "2", "--decode", "2",
-         "--log-dir", str(log_dir), "--worker-arg=--kv-cache-memory=6e7",
-         f"--worker-arg=--heartbeat-ttl-s={HEARTBEAT_TTL_S}", "--router-arg=--record-ttl-s=1"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    ready: list[str] = []
-    reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(240)
-    if not ready or not ready[0].startswith("pdserve ready: "):
-        proc.kill()
-        raise RuntimeError(f"pdserve up did not become ready: {ready} {proc.stderr.read()[-3000:]}")
-    fields = ready[0].split()
-    info = {"router": fields[2], **dict(f.split("=", 1) for f in fields[3:]), "proc": proc}
-    yield info
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0
+    with pdserve_up("--model", model_dir, "--prefill", "2", "--decode", "2", "--log-dir",
+                    str(tmp_path_factory.mktemp("up-logs")), "--worker-arg=--kv-cache-memory=6e7",
+                    f"--worker-arg=--heartbeat-ttl-s={HEARTBEAT_TTL_S}", "--router-arg=--record-ttl-s=1") as info:
+        yield info
+    assert info["returncode"] == 0
 
 
 def live_workers(redis_url: str) -> list[dict]:

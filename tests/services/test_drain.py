@@ -6,9 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -16,8 +13,9 @@ import urllib.request
 import pytest
 
 from pdserve.client import Client, Result
-from tests.cli import REPO, pdserve
+from tests.cli import pdserve
 from tests.conftest import hf_greedy
+from tests.services.up import pdserve_up
 
 
 @pytest.fixture(scope="module")
@@ -27,24 +25,9 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", model_dir, "--decode", "2", "--log-dir",
-         str(tmp_path_factory.mktemp("drain-logs")), "--worker-arg=--kv-cache-memory=6e7"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    ready: list[str] = []
-    reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(240)
-    if not ready or not ready[0].startswith("pdserve ready: "):
-        proc.kill()
-        raise RuntimeError(f"pdserve up did not become ready: {ready} {proc.stderr.read()[-3000:]}")
-    stderr: list[str] = []
-    threading.Thread(target=lambda: stderr.extend(iter(proc.stderr.readline, "")), daemon=True).start()
-    fields = ready[0].split()
-    yield {"router": fields[2], **dict(f.split("=", 1) for f in fields[3:]), "stderr": stderr}
-    proc.send_signal(signal.SIGINT)
-    proc.wait(60)
+    with pdserve_up("--model", model_dir, "--decode", "2", "--log-dir", str(tmp_path_factory.mktemp("drain-logs")),
+                    "--worker-arg=--kv-cache-memory=6e7") as info:
+        yield info
 
 
 def readyz(address: str) -> int:

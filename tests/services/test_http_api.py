@@ -7,10 +7,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
 from pdserve.client import Client
-from tests.cli import REPO, pdserve
+from tests.cli import pdserve
+from tests.services.up import pdserve_up
 
 PROMPT = "The class statement"
 
@@ -34,27 +31,13 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("http-logs")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", model_dir, "--log-dir", str(log_dir),
-         "--worker-arg=--kv-cache-memory=6e7", "--worker-arg=--max-model-len=2048"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    ready: list[str] = []
-    reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(240)
-    if not ready or not ready[0].startswith("pdserve ready: "):
-        proc.kill()
-        raise RuntimeError(f"pdserve up did not become ready: {ready} {proc.stderr.read()[-3000:]}")
-    fields = ready[0].split()
-    info = {"router": fields[2], **dict(f.split("=", 1) for f in fields[3:])}
-    workers = json.loads(pdserve("status", "--json", "--redis-url", info["redis"]).stdout)["workers"]
-    info["metrics"] = {w["role"]: w["metrics_address"] for w in workers}
-    info["model"] = os.path.basename(model_dir)
-    yield info
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0
+    with pdserve_up("--model", model_dir, "--log-dir", str(tmp_path_factory.mktemp("http-logs")),
+                    "--worker-arg=--kv-cache-memory=6e7", "--worker-arg=--max-model-len=2048") as info:
+        workers = json.loads(pdserve("status", "--json", "--redis-url", info["redis"]).stdout)["workers"]
+        info["metrics"] = {w["role"]: w["metrics_address"] for w in workers}
+        info["model"] = os.path.basename(model_dir)
+        yield info
+    assert info["returncode"] == 0
 
 
 @pytest.fixture(scope="module")

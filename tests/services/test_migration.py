@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 
 import pytest
 
 from pdserve.client import Client, Result
-from tests.cli import REPO, pdserve
+from tests.cli import pdserve
 from tests.conftest import hf_greedy
+from tests.services.up import pdserve_up
 
 
 @pytest.fixture(scope="module")
@@ -25,23 +24,9 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", model_dir, "--decode", "2", "--log-dir",
-         str(tmp_path_factory.mktemp("migration-logs")), "--worker-arg=--kv-cache-memory=6e7",
-         "--worker-arg=--heartbeat-ttl-s=3"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    ready: list[str] = []
-    reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(240)
-    if not ready or not ready[0].startswith("pdserve ready: "):
-        proc.kill()
-        raise RuntimeError(f"pdserve up did not become ready: {ready} {proc.stderr.read()[-3000:]}")
-    fields = ready[0].split()
-    yield {"router": fields[2], **dict(f.split("=", 1) for f in fields[3:])}
-    proc.send_signal(signal.SIGINT)
-    proc.wait(60)
+    with pdserve_up("--model", model_dir, "--decode", "2", "--log-dir", str(tmp_path_factory.mktemp("migration-logs")),
+                    "--worker-arg=--kv-cache-memory=6e7", "--worker-arg=--heartbeat-ttl-s=3") as info:
+        yield info
 
 
 def test_killed_decode_worker_mid_stream_costs_a_migration_not_a_failure(cluster, model_dir, hf_reference):
@@ -64,24 +49,11 @@ def test_killed_decode_worker_mid_stream_costs_a_migration_not_a_failure(cluster
 
 @pytest.fixture(scope="module")
 def two_prefill_cluster(model_dir, tmp_path_factory):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", model_dir, "--prefill", "2", "--log-dir",
-         str(tmp_path_factory.mktemp("prefill-kill-logs")), "--worker-arg=--kv-cache-memory=6e7",
-         "--worker-arg=--heartbeat-ttl-s=3", "--prefill-arg=--prefill-chunk-size=16",
-         "--prefill-arg=--max-num-batched-tokens=16"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    ready: list[str] = []
-    reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(240)
-    if not ready or not ready[0].startswith("pdserve ready: "):
-        proc.kill()
-        raise RuntimeError(f"pdserve up did not become ready: {ready} {proc.stderr.read()[-3000:]}")
-    fields = ready[0].split()
-    yield {"router": fields[2], **dict(f.split("=", 1) for f in fields[3:])}
-    proc.send_signal(signal.SIGINT)
-    proc.wait(60)
+    with pdserve_up("--model", model_dir, "--prefill", "2", "--log-dir",
+                    str(tmp_path_factory.mktemp("prefill-kill-logs")), "--worker-arg=--kv-cache-memory=6e7",
+                    "--worker-arg=--heartbeat-ttl-s=3", "--prefill-arg=--prefill-chunk-size=16",
+                    "--prefill-arg=--max-num-batched-tokens=16") as info:
+        yield info
 
 
 def test_killed_prefill_worker_mid_prefill_is_retried_on_the_other(two_prefill_cluster, model_dir, hf_reference):

@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,38 +18,26 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.cluster.net import free_port, wait_for_grpc_health
 from pdserve.client import Client
 from tests.cli import REPO, pdserve
+from tests.services.up import pdserve_up
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     model_dir = tiny_model_dir("llama")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", model_dir, "--log-dir",
-         str(tmp_path_factory.mktemp("two-routers-logs")), "--worker-arg=--kv-cache-memory=6e7"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    ready: list[str] = []
-    reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(240)
-    if not ready or not ready[0].startswith("pdserve ready: "):
-        proc.kill()
-        raise RuntimeError(f"pdserve up did not become ready: {ready}")
-    fields = ready[0].split()
-    info = {"router": fields[2], **dict(f.split("=", 1) for f in fields[3:])}
-    port = free_port()
-    second = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "router", "--model", model_dir, "--port", str(port), "--http-port",
-         str(free_port()), "--redis-url", info["redis"]],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    info["second"] = f"127.0.0.1:{port}"
-    info["second_proc"] = second
-    assert wait_for_grpc_health(info["second"], timeout_s=60)
-    yield info
-    second.kill()
-    proc.send_signal(signal.SIGINT)
-    proc.wait(60)
+    with pdserve_up("--model", model_dir, "--log-dir", str(tmp_path_factory.mktemp("two-routers-logs")),
+                    "--worker-arg=--kv-cache-memory=6e7") as info:
+        port = free_port()
+        second = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "router", "--model", model_dir, "--port", str(port), "--http-port",
+             str(free_port()), "--redis-url", info["redis"]],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        info["second"], info["second_proc"] = f"127.0.0.1:{port}", second
+        try:
+            assert wait_for_grpc_health(info["second"], timeout_s=60)
+            yield info
+        finally:
+            second.kill()
 
 
 def kv_blocks_used(cluster) -> float:

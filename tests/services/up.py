@@ -1,0 +1,39 @@
+"""A real local cluster for tests: ``pdserve up`` as a subprocess, until its ready line."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from tests.cli import REPO
+
+READY_TIMEOUT_S = 240
+
+
+@contextmanager
+def pdserve_up(*args: str) -> Iterator[dict]:
+    """``pdserve up ARGS`` until ``pdserve ready:``; yields the ready line's fields (``router``, ``redis``, ``http``,
+    ``logs``, ...) with ``proc`` and ``stderr`` (its lines so far, collected on a thread). Stopped with Ctrl-C
+    on exit; its exit status is then in ``returncode``."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+    ready: list[str] = []
+    reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(READY_TIMEOUT_S)
+    if not ready or not ready[0].startswith("pdserve ready: "):
+        proc.kill()
+        raise RuntimeError(f"pdserve up did not become ready: {ready} {''.join(stderr)[-3000:]}")
+    fields = ready[0].split()
+    info = {"router": fields[2], **dict(f.split("=", 1) for f in fields[3:]), "proc": proc, "stderr": stderr}
+    try:
+        yield info
+    finally:
+        proc.send_signal(signal.SIGINT)
+        info["returncode"] = proc.wait(60)
