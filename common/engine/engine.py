@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from common.engine.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+MAX_UNDRAINED_TIMINGS = 65536
 
 Prompt = str | Sequence[int]
 KVLayerSink = Callable[[str, int, torch.Tensor, torch.Tensor], None]
@@ -108,7 +110,8 @@ class LLMEngine(KVHandoffMixin):
         self._requests: dict[str, Request] = {}  # every request not yet finished and reported
         self.counters = EngineCounters()
         self.kv_tiers: KVTiers | None = None
-        self._left: list[RequestTimings] = []  # requests that left since the last drain_timings()
+        # requests that left since the last drain_timings() (bounded: an engine nobody drains keeps the newest)
+        self._left: deque[RequestTimings] = deque(maxlen=MAX_UNDRAINED_TIMINGS)
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
             loaded.model_dir, num_blocks, config.block_size,
@@ -249,7 +252,8 @@ class LLMEngine(KVHandoffMixin):
 
     def drain_timings(self) -> list[RequestTimings]:
         """Stage times of the requests that left the engine since the last call (oldest first)."""
-        left, self._left = self._left, []
+        left = list(self._left)
+        self._left.clear()
         return left
 
     def _record_left(self, request: Request, reason: str) -> None:

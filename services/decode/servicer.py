@@ -107,11 +107,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"model mismatch: {'; '.join(problems)}")
         if not rid or request.num_tokens < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ReserveKv needs a request_id and num_tokens >= 1")
-        stats = self.loop.stats
-        pending = len(self._reservations) + stats.num_requests_running + stats.num_requests_waiting
-        if pending >= self.max_pending_requests:  # a bounded queue: the router tries another worker
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"decode worker full: {pending} requests pending (--max-pending-requests)")
+        self._check_room(context)
         lease_s = min(request.lease_seconds or self.max_lease_s, self.max_lease_s)
         try:
             # The engine's own lease is a backstop only: this servicer releases first (under the lock), so
@@ -136,6 +132,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             self.shm_receiver.expect(rid, spec.num_layers, len(blocks), spec, self._writer(reservation), lease_s)
             response.kv_shm_address = self.shm_receiver.address
         return response
+
+    def _check_room(self, context) -> None:
+        """A bounded queue: RESOURCE_EXHAUSTED (the router tries another worker) past --max-pending-requests."""
+        stats = self.loop.stats
+        pending = len(self._reservations) + stats.num_requests_running + stats.num_requests_waiting
+        if pending >= self.max_pending_requests:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"decode worker full: {pending} requests pending (--max-pending-requests)")
 
     def _kv_complete(self, reservation: _Reservation) -> bool:
         if reservation.assembler.complete:
@@ -245,11 +249,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     def _prefill_here(self, request, context):
         """Conditional disaggregation: the whole request runs here (the prefix cache may hold part of it)."""
-        stats = self.loop.stats
-        pending = len(self._reservations) + stats.num_requests_running + stats.num_requests_waiting
-        if pending >= self.max_pending_requests:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"decode worker full: {pending} requests pending (--max-pending-requests)")
+        self._check_room(context)
         try:
             sampling = convert.sampling_from_proto(request.sampling, self.generation_config, self.default_max_tokens)
             return self.loop.add_request(list(request.prompt_token_ids), sampling, request_id=request.request_id)
