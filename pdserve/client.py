@@ -6,6 +6,10 @@
             print(piece.text, end="", flush=True)
         result = client.generate("Hello", max_tokens=16, temperature=0.0)
 
+With ``Client(address, api_key=KEY)`` every call carries ``authorization: Bearer KEY`` metadata (an API key
+or a JWT: what a router started with ``--api-key-file``, ``PDSERVE_API_KEYS`` or ``--jwt-*`` asks for; a call
+without it fails with ``UNAUTHENTICATED``).
+
 Errors arrive as :class:`grpc.RpcError` with the router's status code and message. Imports no torch.
 """
 
@@ -90,9 +94,11 @@ def sampling_message(
 
 
 class Client:
-    def __init__(self, address: str, *, timeout_s: float | None = None) -> None:
+    def __init__(self, address: str, *, timeout_s: float | None = None, api_key: str | None = None) -> None:
+        """``api_key``: sent as ``authorization: Bearer API_KEY`` on every call (None or "": no credential)."""
         self.address = address
         self.timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channel = grpc.insecure_channel(address)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
 
@@ -119,7 +125,8 @@ class Client:
 
     def stream_call(self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **kwargs):
         """The raw streaming call (iterate it for GenerateResponse messages; ``.cancel()`` cancels)."""
-        return self._stub.Generate(self.request(prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+        return self._stub.Generate(self.request(prompt, **kwargs), timeout=timeout_s or self.timeout_s,
+                                   metadata=self._metadata)
 
     def stream(self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **kwargs) -> Iterator[Piece]:
         call = self.stream_call(prompt, timeout_s=timeout_s, **kwargs)

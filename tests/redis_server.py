@@ -5,19 +5,28 @@
         ...
         server.restart()  # same port, empty data
 
-Never uses the default port 6379, so a developer's own Redis is never touched.
+    with RedisServer(password="s3cret", tls=True) as server:   # requirepass, and TLS only (no plain port)
+        client = connect(server.url)   # rediss://:s3cret@127.0.0.1:PORT/0?ssl_ca_certs=/tmp/.../ca.pem
+
+Never uses the default port 6379, so a developer's own Redis is never touched. With ``tls=True`` the server
+listens only for TLS, with a throwaway CA and server certificate (:mod:`tests.tls_certs`) that clients trust
+through the URL's ``ssl_ca_certs`` query parameter; clients need no certificate of their own.
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 
 import redis
+
+from tests.tls_certs import TlsFiles, write_test_certs
 
 DEFAULT_REDIS_PORT = 6379
 
@@ -32,23 +41,52 @@ def free_port() -> int:
             return port
 
 
+TLS_UNSUPPORTED = "redis-server on this machine was built without TLS support (BUILD_TLS=no)"
+
+
+@functools.cache
+def tls_supported(executable: str = "redis-server") -> bool:
+    """Whether ``executable`` accepts the ``tls-port`` directive (a build with TLS), asked without listening:
+    with ``--port 0 --tls-port 0`` a TLS build exits at once ("not listen anywhere"), others reject the flag."""
+    path = shutil.which(executable)
+    if path is None:
+        return False
+    proc = subprocess.run([path, "--port", "0", "--tls-port", "0", "--save", ""], capture_output=True, text=True,
+                          timeout=10)
+    return "Bad directive" not in proc.stdout + proc.stderr
+
+
 class RedisServer:
     """One ``redis-server`` process from the PATH; ``start()`` on entering the context, ``stop()`` on exit."""
 
-    def __init__(self, *, startup_timeout_s: float = 10.0, executable: str = "redis-server") -> None:
+    def __init__(self, *, startup_timeout_s: float = 10.0, executable: str = "redis-server",
+                 password: str | None = None, tls: bool = False) -> None:
+        """``password``: ``requirepass`` (clients must AUTH). ``tls``: TLS only on ``port`` (see the module
+        docstring); a ``redis-server`` built without TLS then fails :meth:`start` with its log."""
         path = shutil.which(executable)
         if path is None:
             raise RuntimeError(f"{executable!r} is not on the PATH; install Redis to run these tests")
         self.executable = path
         self.startup_timeout_s = startup_timeout_s
+        self.password, self.tls = password, tls
         self.port = free_port()
         self._dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
+        self.tls_files: TlsFiles | None = write_test_certs(self._dir) if tls else None
         self._proc: subprocess.Popen | None = None
         self._log_file = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The URL clients connect with: the password and, with TLS, ``rediss://`` and the CA included."""
+        return self.url_with(password=self.password)
+
+    def url_with(self, *, password: str | None) -> str:
+        """:attr:`url` with another password (None: none), e.g. to check that a wrong one is refused."""
+        auth = "" if password is None else f":{urllib.parse.quote(password, safe='')}@"
+        if self.tls_files is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        ca = urllib.parse.quote(str(self.tls_files.ca_cert))
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={ca}"
 
     @property
     def log_path(self) -> Path:
@@ -62,18 +100,26 @@ class RedisServer:
         """Start the server on ``self.port`` and wait until it answers PING (RuntimeError with its log)."""
         if self.running:
             raise RuntimeError(f"redis-server on port {self.port} is already running")
+        port = str(self.port)
+        listen = ["--port", port] if self.tls_files is None else ["--port", "0", "--tls-port", port]  # TLS only
         # fmt: off
         args = [
-            self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            self.executable, *listen, "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", str(self._dir), "--daemonize", "no",
             # SIGTERM is acted on in the server's cron, which runs hz times a second: 100 (default 10)
             # makes stop() take ~10 ms instead of ~100 ms.
             "--hz", "100",
         ]
         # fmt: on
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        if self.tls_files is not None:
+            f = self.tls_files
+            args += ["--tls-cert-file", str(f.server_cert), "--tls-key-file", str(f.server_key),
+                     "--tls-ca-cert-file", str(f.ca_cert), "--tls-auth-clients", "no"]
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT, cwd=self._dir)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        client = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
         deadline = time.monotonic() + self.startup_timeout_s
         try:
             while True:

@@ -57,6 +57,7 @@ class EngineStats:
     num_prefix_cache_hits: int = 0
     num_host_tier_hits: int = 0  # blocks brought back from the spill tiers (see common.engine.kv_tiers)
     num_shared_tier_hits: int = 0
+    num_kv_tier_integrity_failures: int = 0  # shared-tier blocks that failed authentication (recomputed)
 
 
 class RequestStream:
@@ -245,6 +246,7 @@ class EngineLoop:
             num_prefix_cache_hits=c.num_prefix_cache_hits,
             num_host_tier_hits=e.kv_tiers.num_host_hits if e.kv_tiers else 0,
             num_shared_tier_hits=e.kv_tiers.num_shared_hits if e.kv_tiers else 0,
+            num_kv_tier_integrity_failures=e.kv_tiers.num_integrity_failures if e.kv_tiers else 0,
         )
 
     def _shutdown(self) -> None:

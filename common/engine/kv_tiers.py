@@ -10,6 +10,9 @@ missing one; found blocks are loaded into fresh device blocks and count as prefi
 The shared tier (:class:`RedisKVStore`) lets a prefix computed on one worker serve another: keys carry the
 model's KV identity (fingerprint, dtype, block shape), so only engines that would compute the same bytes share
 them; values expire after ``ttl_s`` and the store keeps at most ``max_blocks`` of them (oldest dropped).
+With a :class:`~common.security.kv_crypto.KVCipher`, values are sealed (AES-256-GCM, bound to their Redis key)
+and the key space carries the key's fingerprint; a value that fails authentication is deleted, counted in
+``num_integrity_failures`` and treated as missing, so the engine recomputes that block (it is never used).
 """
 
 from __future__ import annotations
@@ -18,32 +21,51 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from common.security.kv_crypto import KVCipher
 
 log = logging.getLogger(__name__)
 
 
 class RedisKVStore:
-    """Blocks' KV bytes in Redis under ``{prefix}kvblock:{space}:{name hex}``, with an LRU-ish cap."""
+    """Blocks' KV bytes in Redis under ``{prefix}kvblock:{space}:{name hex}``, with an LRU-ish cap.
+
+    With a cipher, ``space`` becomes ``{space}-k{key fingerprint}`` and values are sealed (nonce + ciphertext
+    + tag, :data:`common.security.kv_crypto.OVERHEAD_BYTES` more than the block).
+    """
 
     def __init__(self, client, *, prefix: str, space: str, shape: Sequence[int], dtype: torch.dtype,
-                 ttl_s: float = 600.0, max_blocks: int = 4096) -> None:
+                 ttl_s: float = 600.0, max_blocks: int = 4096, cipher: KVCipher | None = None) -> None:
         """``space``: the KV identity (model fingerprint, dtype, block shape): engines that share a space
-        compute identical blocks. ``shape``/``dtype``: one block's tensor ([L, 2, H, bs, D])."""
+        compute identical blocks. ``shape``/``dtype``: one block's tensor ([L, 2, H, bs, D]). ``cipher``:
+        encrypt and authenticate every value (None: plaintext, in a key space without a fingerprint)."""
         from common.state.keys import check_prefix
 
         self._client = client
-        self._base = f"{check_prefix(prefix)}kvblock:{space}:"
-        self._index = f"{check_prefix(prefix)}kvblocks:{space}"  # sorted set: name -> time stored
+        self._cipher = cipher
+        self.space = space if cipher is None else f"{space}-k{cipher.fingerprint}"
+        self._base = f"{check_prefix(prefix)}kvblock:{self.space}:"
+        self._index = f"{check_prefix(prefix)}kvblocks:{self.space}"  # sorted set: name -> time stored
         self.shape, self.dtype = tuple(shape), dtype
         self.nbytes = int(torch.empty(self.shape, dtype=dtype).nbytes)
         self.ttl_ms, self.max_blocks = max(1, round(ttl_s * 1000)), max_blocks
+        self.num_integrity_failures = 0  # sealed values that failed authentication (deleted, recomputed)
+
+    def key(self, name: bytes) -> str:
+        """The Redis key of block ``name`` (also the associated data of its sealed value)."""
+        return self._base + name.hex()
 
     def put(self, name: bytes, kv: torch.Tensor) -> None:
         data = kv.contiguous().view(torch.uint8).numpy().tobytes()
+        key = self.key(name)
+        if self._cipher is not None:
+            data = self._cipher.seal(key.encode(), data)
         pipe = self._client.pipeline(transaction=False)
-        pipe.set(self._base + name.hex(), data, px=self.ttl_ms)
+        pipe.set(key, data, px=self.ttl_ms)
         pipe.zadd(self._index, {name.hex(): time.time()})
         pipe.zcard(self._index)
         count = pipe.execute()[-1]
@@ -56,12 +78,37 @@ class RedisKVStore:
         """The KV of ``names`` from the first on, up to the first one missing (one round trip)."""
         if not names:
             return []
+        keys = [self.key(n) for n in names]
         out = []
-        for data in self._client.mget([self._base + n.hex() for n in names]):
-            if data is None or len(data) != self.nbytes:
+        for name, key, data in zip(names, keys, self._client.mget(keys)):
+            if data is None:
+                break
+            if self._cipher is not None:
+                data = self._open(name, key, data)
+                if data is None:
+                    break
+            if len(data) != self.nbytes:
                 break
             out.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(self.shape))
         return out
+
+    def _open(self, name: bytes, key: str, sealed: bytes) -> bytes | None:
+        """The block's plaintext; None (after deleting the value and counting it) when it fails authentication."""
+        from common.security.kv_crypto import KVIntegrityError
+
+        try:
+            return self._cipher.open(key.encode(), sealed)
+        except KVIntegrityError as exc:
+            self.num_integrity_failures += 1
+            log.warning("shared KV tier: dropped block %s: %s", key, exc)
+            try:
+                pipe = self._client.pipeline(transaction=False)
+                pipe.delete(key)
+                pipe.zrem(self._index, name.hex())
+                pipe.execute()
+            except Exception as delete_exc:  # noqa: BLE001 - the block is not used either way
+                log.debug("could not delete %s: %s", key, delete_exc)
+            return None
 
 
 class KVTiers:
@@ -75,6 +122,11 @@ class KVTiers:
         self._host: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.num_host_hits = 0
         self.num_shared_hits = 0
+
+    @property
+    def num_integrity_failures(self) -> int:
+        """Blocks of the shared tier that failed authentication (0 without an encrypted shared tier)."""
+        return 0 if self.shared is None else self.shared.num_integrity_failures
 
     def put(self, name: bytes, kv: torch.Tensor) -> None:
         """An evicted block's KV: into the host tier (its LRU victim, or this block when there is no host

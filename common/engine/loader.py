@@ -2,7 +2,13 @@
 
 ``load_model(dir)`` is the one way pdserve turns a model directory into a :class:`LoadedModel`; the tiny
 random checkpoints of ``common.models.tiny`` and real Llama / Qwen2 / Mistral checkpoints take the same path.
-Only safetensors weights are read (pickle checkpoints are refused) and nothing is downloaded.
+Nothing is downloaded. Weights are read from safetensors; a directory with only pickle checkpoints (``*.bin``,
+``*.pt``, ...) is refused unless the caller passes ``allow_pickle=True`` (``--allow-pickle-weights``): unpickling
+can run code. Transformers then reads ``pytorch_model.bin`` (or its shards) with ``torch.load(weights_only=True)``,
+whose restricted unpickler narrows, but does not remove, that risk.
+
+The weight files of a directory (:func:`weight_files`) are its ``*.safetensors`` when it has any (pickle files
+beside them are never read), else its pickle checkpoints.
 
 This module also owns the weight manifest: ``SHA256SUMS`` in the model directory, in ``sha256sum`` format
 (``<64 hex>  <file name>`` per line; ``sha256sum -c SHA256SUMS`` checks it too). ``write_manifest`` writes it,
@@ -10,9 +16,10 @@ This module also owns the weight manifest: ``SHA256SUMS`` in the model directory
 
 Fingerprint (``LoadedModel.fingerprint``, :func:`compute_fingerprint`): the SHA-256 of a versioned text made
 of ``config.json`` in canonical form (parsed, re-serialised with sorted keys and no whitespace) and, per weight
-file sorted by name, either its manifest digest or, when there is no manifest, its name, size in bytes and the
-SHA-256 of its first and last MiB. Prefill and decode workers compare fingerprints to check they run the same
-model; without a manifest it is a cheap identity, not an integrity check.
+file sorted by name (:func:`weight_files`, so pickle checkpoints count too), either its manifest digest or, when
+there is no manifest, its name, size in bytes and the SHA-256 of its first and last MiB. Prefill and decode
+workers compare fingerprints to check they run the same model; without a manifest it is a cheap identity, not an
+integrity check.
 """
 
 from __future__ import annotations
@@ -66,12 +73,14 @@ class LoadedModel:
 
 def load_model(model_dir: str | os.PathLike[str], *, dtype: str | torch.dtype | None = "auto",
                device: str | torch.device = "cpu", attn_implementation: str | None = None,
-               verify: bool = True) -> LoadedModel:
+               verify: bool = True, allow_pickle: bool = False) -> LoadedModel:
     """Load the causal LM in local directory ``model_dir`` offline.
 
     ``dtype``: see :func:`resolve_dtype` ("auto": the checkpoint's). ``verify``: check ``SHA256SUMS`` when
-    present. Raises :class:`ModelLoadError` naming the path for a missing directory or ``config.json``, a
-    model type that is not a causal LM, no safetensors weights (pickle checkpoints are refused), a manifest
+    present. ``allow_pickle``: load a directory whose only weights are pickle checkpoints (see the module
+    docstring); without it such a directory is refused with a message naming its files and
+    ``--allow-pickle-weights``. Raises :class:`ModelLoadError` naming the path for a missing directory or
+    ``config.json``, a model type that is not a causal LM, no weights, refused pickle weights, a manifest
     mismatch, an unavailable device, or weights transformers cannot load.
     """
     from safetensors import SafetensorError
@@ -79,7 +88,13 @@ def load_model(model_dir: str | os.PathLike[str], *, dtype: str | torch.dtype | 
 
     path = Path(model_dir).expanduser()
     raw_config = _check_directory(path)
-    _weight_files(path)
+    files = weight_files(path)
+    pickled = not files[0].name.endswith(".safetensors")
+    if pickled and not allow_pickle:
+        names = [f.name for f in files]
+        raise ModelLoadError(f"model directory {path} has only pickle checkpoints {names}; pickle checkpoints "
+                             "are refused (unpickling can run code): convert them to safetensors, or pass "
+                             "--allow-pickle-weights (allow_pickle=True) for a checkpoint you trust")
     if verify:
         verify_manifest(path)
     torch_device = _resolve_device(device)
@@ -88,7 +103,8 @@ def load_model(model_dir: str | os.PathLike[str], *, dtype: str | torch.dtype | 
         torch_dtype = resolve_dtype(dtype, config)
         extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
         model = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=torch_dtype, local_files_only=True, use_safetensors=True, **extra
+            path, config=config, dtype=torch_dtype, local_files_only=True, use_safetensors=not pickled,
+            weights_only=True, **extra
         )
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         generation_config = (GenerationConfig.from_pretrained(path, local_files_only=True)
@@ -138,9 +154,9 @@ def resolve_dtype(name: str | torch.dtype | None, config: Any = None) -> torch.d
 def verify_manifest(model_dir: str | os.PathLike[str]) -> bool:
     """Check every file listed in ``model_dir/SHA256SUMS`` against its SHA-256; False if there is no manifest.
 
-    Also requires every ``*.safetensors`` in the directory to be listed (an unlisted weight file would load
-    unchecked). Raises ModelLoadError naming the file, with expected and actual digests, on a mismatch; naming
-    it on a missing or unlisted file or a malformed manifest line.
+    Also requires every weight file (:func:`weight_files`) in the directory to be listed (an unlisted weight
+    file would load unchecked). Raises ModelLoadError naming the file, with expected and actual digests, on a
+    mismatch; naming it on a missing or unlisted file or a malformed manifest line.
     """
     root = Path(model_dir)
     listed = read_manifest(root)
@@ -153,7 +169,7 @@ def verify_manifest(model_dir: str | os.PathLike[str]) -> bool:
         actual = sha256_file(file)
         if actual != expected:
             raise ModelLoadError(f"{file}: SHA-256 mismatch, manifest says {expected}, file has {actual}")
-    unlisted = sorted(p.name for p in root.glob("*.safetensors") if p.name not in listed)
+    unlisted = sorted(p.name for p in weight_files(root, required=False) if p.name not in listed)
     if unlisted:
         raise ModelLoadError(f"{root}: weight files not in {MANIFEST_NAME}: {unlisted}")
     return True
@@ -179,9 +195,10 @@ def read_manifest(model_dir: str | os.PathLike[str]) -> dict[str, str] | None:
 
 
 def write_manifest(model_dir: str | os.PathLike[str]) -> Path:
-    """Write ``model_dir/SHA256SUMS`` covering every ``*.safetensors`` (sorted by name); return its path."""
+    """Write ``model_dir/SHA256SUMS`` covering every weight file (:func:`weight_files`, sorted by name); return
+    its path."""
     root = Path(model_dir)
-    lines = [f"{sha256_file(path)}  {path.name}\n" for path in sorted(root.glob("*.safetensors"))]
+    lines = [f"{sha256_file(path)}  {path.name}\n" for path in weight_files(root, required=False)]
     manifest = root / MANIFEST_NAME
     manifest.write_text("".join(lines), encoding="utf-8")
     return manifest
@@ -234,15 +251,17 @@ def _check_directory(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(model_dir: str | os.PathLike[str], *, required: bool = True) -> list[Path]:
+    """The weight files of ``model_dir``, sorted by name: its ``*.safetensors`` if it has any, else its pickle
+    checkpoints (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``). None at all: ModelLoadError naming the directory,
+    or ``[]`` when not ``required``. Says nothing about whether pickle files may be loaded (see load_model)."""
+    path = Path(model_dir)
     files = sorted(path.glob("*.safetensors"))
-    if files:
-        return files
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
-    if pickles:
-        raise ModelLoadError(f"model directory {path} has only pickle checkpoints {pickles}; pickle checkpoints "
-                             "are refused, convert them to safetensors")
-    raise ModelLoadError(f"model directory {path} has no *.safetensors weight files")
+    if not files:
+        files = sorted(p for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES and p.is_file())
+    if not files and required:
+        raise ModelLoadError(f"model directory {path} has no weight files (*.safetensors)")
+    return files
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -267,7 +286,7 @@ def _fingerprint(path: Path, raw_config: dict[str, Any]) -> str:
     if listed is not None:
         parts += [f"{name} sha256={digest}" for name, digest in sorted(listed.items())]
     else:
-        for file in sorted(path.glob("*.safetensors")):
+        for file in weight_files(path, required=False):
             size_bytes = file.stat().st_size
             with file.open("rb") as f:
                 head = f.read(CHUNK_BYTES)

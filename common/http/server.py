@@ -12,6 +12,14 @@ Health contract (every service):
   registered, not stopping), else 503 ``{"status": "not ready", "reasons": [...], ...details}``.
 
 ``details`` is the service's own figures (a decode worker's KV usage, a prefill worker's queue, ...).
+
+Authentication (``HttpFront(..., authenticator=...)``, see :mod:`common.security.auth`): when set, every route
+except :data:`OPEN_PATHS` (``/healthz``, ``/readyz``, ``/metrics``: probes and scrapes) needs
+``Authorization: Bearer <token>`` (or ``X-API-Key: <key>``), checked before the route is looked up. A refused
+request gets 401 with ``WWW-Authenticate: Bearer`` and OpenAI's error shape
+``{"error": {"message": REASON, "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}``
+(the connection is then closed: an unread body is not parsed as the next request). An accepted one reaches its
+handler with the caller's principal on the request object (``principal_of(request)``).
 """
 
 from __future__ import annotations
@@ -25,7 +33,11 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from common.security.auth import PRINCIPAL_ATTR, Authenticator, credential_of
+from common.security.errors import AuthError
+
 log = logging.getLogger(__name__)
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # never need a credential, even with auth on
 
 Handler = Callable[[BaseHTTPRequestHandler], None]
 ReadyFn = Callable[[], list[str]]  # why the service is not ready; [] = ready
@@ -45,11 +57,29 @@ def send_json(request: BaseHTTPRequestHandler, status: int, obj) -> None:
     send_bytes(request, status, json.dumps(obj, separators=(",", ":")).encode(), "application/json")
 
 
-class HttpFront:
-    """An HTTP server on its own threads; start() binds (port 0 = any free port) and returns the port."""
+def send_unauthorized(request: BaseHTTPRequestHandler, reason: str) -> None:
+    """401 with ``WWW-Authenticate: Bearer`` and OpenAI's invalid-API-key error (the body shape of
+    ``services.router.openai_protocol.OpenAIError.body()``); closes the connection after it."""
+    body = json.dumps({"error": {"message": reason, "type": "invalid_request_error", "param": None,
+                                 "code": "invalid_api_key"}}, separators=(",", ":")).encode()  # fmt: skip
+    request.send_response(401)
+    request.send_header("WWW-Authenticate", "Bearer")
+    request.send_header("Content-Type", "application/json")
+    request.send_header("Content-Length", str(len(body)))
+    request.send_header("Connection", "close")
+    request.end_headers()
+    request.close_connection = True
+    if request.command != "HEAD":
+        request.wfile.write(body)
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+
+class HttpFront:
+    """An HTTP server on its own threads; start() binds (port 0 = any free port) and returns the port.
+    ``authenticator``: None = every route open; else all but :data:`OPEN_PATHS` need a credential."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, authenticator: Authenticator | None = None) -> None:
         self.host, self.port = host, port
+        self.authenticator = authenticator
         self._routes: dict[tuple[str, str], Handler] = {}
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -82,13 +112,25 @@ class HttpFront:
         return f"{self.host}:{self.port}"
 
     def start(self) -> int:
-        routes = self._routes
+        routes, authenticator = self._routes, self.authenticator
 
         class _Request(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
             server_version = "pdserve"
 
             def _dispatch(self) -> None:
+                setattr(self, PRINCIPAL_ATTR, None)  # one handler object serves every request of a connection
+                if authenticator is not None and urlsplit(self.path).path not in OPEN_PATHS:
+                    try:
+                        principal = authenticator.authenticate(credential_of(self.headers.items()))
+                    except AuthError as exc:
+                        log.info("refused HTTP %s %s: %s", self.command, urlsplit(self.path).path, exc.reason)
+                        try:
+                            send_unauthorized(self, exc.reason)
+                        except OSError:  # the client went away
+                            pass
+                        return
+                    setattr(self, PRINCIPAL_ATTR, principal)
                 handler = routes.get((self.command, urlsplit(self.path).path))
                 if handler is None:
                     known = {p for (_, p) in routes}

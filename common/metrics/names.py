@@ -12,7 +12,8 @@ Where a figure lives:
   by role and state, pool-wide queue depth and KV usage from the registry, Redis reachability;
 - each worker (engine-side): requests running and waiting, KV usage, prefix cache queries and hits, prompt
   and generation tokens computed, preemptions, queue, prefill and decode time per request, KV transfer
-  seconds and bytes (``direction`` = ``sent`` on prefill, ``received`` on decode), Redis reachability.
+  seconds and bytes (``direction`` = ``sent`` on prefill, ``received`` on decode), encrypted shared-tier KV
+  blocks that failed authentication, Redis reachability.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ PREFIX_CACHE_HITS = _m("prefix_cache_hits", "counter", "Looked-up tokens whose K
 PREFIX_CACHE_TIER_HITS = _m("prefix_cache_tier_hits", "counter",
                             "KV blocks brought back from a spill tier of the prefix cache (host or shared).",
                             ("tier",))
+KV_TIER_INTEGRITY_FAILURES = _m("kv_tier_integrity_failures", "counter",
+                                "Encrypted KV blocks of the shared tier that failed authentication (tampered, "
+                                "truncated or moved): deleted from Redis and recomputed, never used.")
 NUM_PREEMPTIONS = _m("num_preemptions", "counter", "Requests preempted (their KV dropped, recomputed later).")
 QUEUE_TIME = _m("request_queue_time_seconds", "histogram",
                 "Per request: added to the engine to first scheduled.", buckets=LATENCY_BUCKETS_S)
@@ -119,8 +123,9 @@ KV_TRANSFER_FAILURES = _m("kv_transfer_failures", "counter", "KV transfers that 
 
 WORKER_METRICS = (REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_USED, KV_BLOCKS_TOTAL,
                   KV_BLOCKS_CACHED, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREFIX_CACHE_TIER_HITS,
-                  PROMPT_TOKENS, GENERATION_TOKENS, NUM_PREEMPTIONS, QUEUE_TIME, PREFILL_TIME, DECODE_TIME,
-                  KV_TRANSFER_SECONDS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES, REDIS_UP)  # fmt: skip
+                  KV_TIER_INTEGRITY_FAILURES, PROMPT_TOKENS, GENERATION_TOKENS, NUM_PREEMPTIONS, QUEUE_TIME,
+                  PREFILL_TIME, DECODE_TIME, KV_TRANSFER_SECONDS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES,
+                  REDIS_UP)  # fmt: skip
 
 
 def exposed_names(spec: MetricSpec) -> tuple[str, ...]:

@@ -38,7 +38,8 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(spec.name, spec.help, value=value)
         counters = ((n.PROMPT_TOKENS, s.num_prompt_tokens), (n.GENERATION_TOKENS, s.num_generation_tokens),
                     (n.NUM_PREEMPTIONS, s.num_preemptions), (n.PREFIX_CACHE_QUERIES, s.num_prefix_cache_queries),
-                    (n.PREFIX_CACHE_HITS, s.num_prefix_cache_hits))  # fmt: skip
+                    (n.PREFIX_CACHE_HITS, s.num_prefix_cache_hits),
+                    (n.KV_TIER_INTEGRITY_FAILURES, s.num_kv_tier_integrity_failures))  # fmt: skip
         for spec, value in counters:
             yield CounterMetricFamily(spec.name, spec.help, value=value)
         tiers = CounterMetricFamily(n.PREFIX_CACHE_TIER_HITS.name, n.PREFIX_CACHE_TIER_HITS.help, labels=("tier",))

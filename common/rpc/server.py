@@ -14,6 +14,22 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 MAX_MESSAGE_BYTES = 64 << 20  # KV chunks are far smaller; prompts of a million tokens fit
+# Liveness of a peer with open calls: a channel pings every KEEPALIVE_S while calls are open, and a peer that
+# does not answer within KEEPALIVE_TIMEOUT_S (a hung or frozen process, a silent network split) fails every
+# call on the channel with UNAVAILABLE, so the router's retry and migration take over instead of a hang.
+KEEPALIVE_S = 5.0
+KEEPALIVE_TIMEOUT_S = 5.0
+_SERVER_KEEPALIVE = [  # accept the clients' pings even on a quiet stream (a long prefill, a queued request)
+    ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_S * 1000) // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+_CLIENT_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),  # gRPC >= 1.5x: the unanswered-ping limit
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 
 class HealthState:
@@ -40,19 +56,23 @@ def build_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_workers: int = 32,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, int, HealthState]:
     """A started-not-yet server bound to ``host:port`` (0 = any free port); returns (server, port, health).
 
     ``add_servicers(server)`` registers the service's servicers; ``service_names`` are their full names
     (e.g. ``pdserve.v1.DecodeService``) for health and reflection. Health starts NOT_SERVING: the service
-    flips it once its model is loaded and it is registered.
+    flips it once its model is loaded and it is registered. ``interceptors`` wrap every method, health and
+    reflection included (e.g. :class:`common.security.grpc_auth.AuthInterceptor`, which leaves health open).
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=list(interceptors),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
+            *_SERVER_KEEPALIVE,
         ],
     )
     add_servicers(server)
@@ -66,11 +86,13 @@ def build_server(
 
 
 def channel(address: str) -> grpc.Channel:
-    """A client channel to another pdserve service, with the same message size limits."""
+    """A client channel to another pdserve service, with the same message size limits and keepalive pings (a
+    peer that stops answering fails the channel's calls with UNAVAILABLE within about 2 × KEEPALIVE_S)."""
     return grpc.insecure_channel(
         address,
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            *_CLIENT_KEEPALIVE,
         ],
     )

@@ -30,6 +30,22 @@ def redact_url(url: str) -> str:
     return parts._replace(netloc=f"{userinfo}@{host}").geturl()
 
 
+def describe_error(exc: BaseException, url: str) -> str:
+    """``Redis at URL: [hint: ]error``, one line for a failed Redis operation on ``url``, safe to log (the
+    password shown as ``***``); the hint names the fix for a missing or refused password or an untrusted TLS
+    certificate."""
+    hint = ""
+    if isinstance(exc, redis.AuthenticationError):
+        if urlsplit(url).password is None:
+            hint = ("needs a password and the URL has none (redis://:PASSWORD@HOST:PORT/DB, or "
+                    "redis://USER:PASSWORD@... for an ACL user): ")
+        else:
+            hint = "the URL's user or password was refused: "
+    elif isinstance(exc, redis.ConnectionError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        hint = "its TLS certificate is not trusted (give the CA as rediss://...?ssl_ca_certs=/path/to/ca.pem): "
+    return f"Redis at {redact_url(url)}: {hint}{exc}"
+
+
 def connect(
     url: str,
     *,
@@ -38,6 +54,11 @@ def connect(
     retries: int = 1,
 ) -> redis.Redis:
     """A client for ``url`` (``redis://[user:password@]host:port[/db]`` or ``rediss://...`` for TLS).
+
+    TLS settings are query parameters of the URL, passed to redis-py's ``SSLConnection``:
+    ``rediss://:PASSWORD@host:6380/0?ssl_ca_certs=/etc/pdserve/redis-ca.pem`` trusts that CA (else the system's);
+    ``ssl_certfile`` and ``ssl_keyfile`` add a client certificate (Redis ``tls-auth-clients yes``). A password
+    with ``@ : / ? #`` or ``%`` in it must be percent-encoded.
 
     Does no I/O: connections are opened on first use, so this never blocks and succeeds for a Redis that
     is down. ``retries`` is how many times a command that failed on a connection error is retried at once

@@ -2,7 +2,8 @@
 
 Prompts go as token ids; each message with tokens is one :class:`~pdserve.bench.backend.Chunk` of
 ``len(token_ids)`` tokens, and the last message's ``usage.completion_tokens`` is the reported total.
-Errors are counted by gRPC status code name (``UNAVAILABLE``, ``INVALID_ARGUMENT``, ...).
+Errors are counted by gRPC status code name (``UNAVAILABLE``, ``INVALID_ARGUMENT``, ``UNAUTHENTICATED``, ...).
+``api_key``: sent as ``authorization: Bearer KEY`` metadata on every request.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pdserve.client import Client
 class GrpcBackend:
     name = "grpc"
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, api_key: str | None = None) -> None:
         self.address = address
-        self._client = Client(address)  # one channel, shared by all request threads (channels are thread-safe)
+        # one channel, shared by all request threads (channels are thread-safe)
+        self._client = Client(address, api_key=api_key)
 
     def stream(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
                timeout_s: float | None, session_id: str = "") -> Iterator[Chunk]:

@@ -14,6 +14,8 @@ non-empty text carries one. The request's output tokens are ``usage.completion_t
 when present, else the chunks' count. Errors are counted by HTTP status (``"503"``); an error object inside
 the stream by its ``code``; a stream that ends without ``[DONE]`` as ``StreamTruncated``; network failures
 by exception name (``ConnectionRefusedError``, ``TimeoutError``). ``timeout_s`` is the request's deadline.
+``api_key``: sent as ``Authorization: Bearer KEY`` on every request (``/v1/models`` included); without it a
+router that wants one answers 401 (counted as ``"401"``).
 """
 
 from __future__ import annotations
@@ -51,9 +53,10 @@ def base_url_from(router: str, http_url: str | None) -> str:
     return url.rstrip("/")
 
 
-def first_model_id(base_url: str, timeout_s: float = MODELS_TIMEOUT_S) -> str:
+def first_model_id(base_url: str, timeout_s: float = MODELS_TIMEOUT_S, *, api_key: str | None = None) -> str:
     """The first model id ``GET /v1/models`` lists; ValueError if it lists none."""
-    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=timeout_s) as resp:
+    request = urllib.request.Request(f"{base_url}/v1/models", headers=_auth_headers(api_key))
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
         models = json.loads(resp.read())
     ids = [m.get("id") for m in models.get("data") or [] if isinstance(m, dict) and m.get("id")]
     if not ids:
@@ -79,10 +82,11 @@ def iter_sse_data(lines: Iterable[bytes]) -> Iterator[str]:
 class HttpBackend:
     name = "http"
 
-    def __init__(self, base_url: str, model: str) -> None:
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None) -> None:
         parts = urllib.parse.urlsplit(base_url)
         self.base_url = base_url
         self.model = model
+        self._auth_headers = _auth_headers(api_key)
         self._https = parts.scheme == "https"
         self._netloc = parts.netloc
         self._path = parts.path.rstrip("/") + "/v1/completions"
@@ -101,7 +105,8 @@ class HttpBackend:
         conn = conn_cls(self._netloc, timeout=timeout_s)
         try:
             conn.request("POST", self._path, body=body,
-                         headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                         headers={"Content-Type": "application/json", "Accept": "text/event-stream",
+                                  **self._auth_headers})
             resp = conn.getresponse()
             if resp.status != 200:
                 raise HttpStatusError(resp.status, resp.read(500).decode("utf-8", "replace").strip())
@@ -135,6 +140,10 @@ class HttpBackend:
 
     def close(self) -> None:
         pass  # one connection per request, closed with it
+
+
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def _chunk_of(event: dict) -> Chunk | None:

@@ -33,6 +33,7 @@ import uuid
 from pdserve.bench.workload import ARRIVALS
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
+API_KEY_ENV = "PDSERVE_API_KEY"
 DEFAULT_VOCAB_SIZE = 256  # below every byte-level BPE vocabulary (the tiny test models have about 4096 ids)
 
 
@@ -50,6 +51,9 @@ def add_parser(subparsers) -> None:
                                                          "default http://ROUTER)")
     target.add_argument("--model", metavar="NAME", default=None,
                         help="HTTP 'model' field (default: the first of GET /v1/models)")
+    target.add_argument("--api-key", metavar="KEY", default=None,
+                        help=f"API key (or JWT) sent as 'authorization: Bearer KEY' over gRPC and HTTP "
+                             f"(default: ${API_KEY_ENV})")
 
     load = p.add_argument_group("load")
     load.add_argument("--num-requests", type=_positive_int, metavar="N", required=True, help="requests per pass")
@@ -145,14 +149,15 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def _backend(args: argparse.Namespace, address: str):
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if args.http or args.http_url:
         from pdserve.bench.http_backend import HttpBackend, base_url_from, first_model_id
 
         base_url = base_url_from(address, args.http_url)
-        return HttpBackend(base_url, args.model or first_model_id(base_url))
+        return HttpBackend(base_url, args.model or first_model_id(base_url, api_key=api_key), api_key=api_key)
     from pdserve.bench.grpc_backend import GrpcBackend
 
-    return GrpcBackend(address)
+    return GrpcBackend(address, api_key=api_key)
 
 
 def _settings(args: argparse.Namespace, address: str, backend) -> dict:

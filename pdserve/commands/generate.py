@@ -3,7 +3,8 @@
 Text is printed as it arrives. With ``--json``, stdout carries only one compact JSON object at the end:
 ``{"request_id", "token_ids", "text", "finish_reason", "prefill_worker_id", "decode_worker_id",
 "prompt_tokens", "completion_tokens"}``. Errors: one line on stderr with the gRPC status; exit 2 for
-INVALID_ARGUMENT, 1 otherwise. Imports no torch.
+INVALID_ARGUMENT, 1 otherwise (``UNAUTHENTICATED: missing credentials`` when the router wants a key and
+neither ``--api-key`` nor ``$PDSERVE_API_KEY`` gives one). Imports no torch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pdserve.commands.run import add_sampling_args
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 
 def add_parser(subparsers) -> None:
@@ -25,6 +27,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (propagated to every stage)")
     p.add_argument("--json", action="store_true", help="one compact JSON object on stdout at the end")
     p.add_argument("--session-id", default="", help="conversation id: later turns reuse this one's KV")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"API key (or JWT) sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     add_sampling_args(p)
     p.set_defaults(func=generate)
 
@@ -43,7 +47,7 @@ def generate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     result = Result()
     try:
-        with Client(address) as client:
+        with Client(address, api_key=args.api_key or os.environ.get(API_KEY_ENV)) as client:
             for piece in client.stream(args.prompt, timeout_s=args.timeout, session_id=args.session_id, **sampling):
                 result.add(piece)
                 if not args.json and piece.text:

@@ -51,7 +51,7 @@ def redis_url_from(args: argparse.Namespace) -> str:
 def status(args: argparse.Namespace) -> int:
     import redis
 
-    from common.state.redis_client import connect, redact_url
+    from common.state.redis_client import connect, describe_error, redact_url
     from common.state.registry import WorkerRegistry
 
     url = redis_url_from(args)
@@ -59,7 +59,7 @@ def status(args: argparse.Namespace) -> int:
     try:
         workers = WorkerRegistry(client, prefix=args.prefix).list_workers()
     except redis.RedisError as e:
-        message = f"cannot read the worker registry from Redis at {redact_url(url)}: {e}"
+        message = f"cannot read the worker registry from {describe_error(e, url)}"
         print(f"pdserve status: error: {message}", file=sys.stderr)
         return 1
     finally:

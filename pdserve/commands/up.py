@@ -1,6 +1,7 @@
 """``pdserve up``: the whole cluster as local processes: Redis, prefill and decode workers, the router.
 
     pdserve up [--model DIR] [--prefill N] [--decode M] [--redis-url URL] [--port P] [--http-port H]
+               [--api-key-file FILE]
 
 Without ``--model`` it builds (once) and serves the embedded tiny model. Without ``--redis-url`` it starts
 a ``redis-server`` on a free port. Every service gets free ports (the router ``--port`` and ``--http-port``
@@ -11,6 +12,11 @@ registry, it prints one line on stdout:
     pdserve ready: ROUTER_ADDRESS prefill=N decode=M redis=URL logs=DIR http=ROUTER_HTTP_ADDRESS
 
 (``http=``: the router's HTTP front, ``/metrics``, ``/healthz``, ``/readyz``; later keys may be appended.)
+
+With ``--api-key-file FILE`` the router (its gRPC API and HTTP front, all but health, ``/healthz``, ``/readyz``,
+``/metrics``) and the workers' ``/admin/warmup`` need one of its keys; ``PDSERVE_API_KEYS`` in ``up``'s
+environment reaches every service too (children inherit it). Readiness is checked through the open health
+checks, so it works either way.
 
 Ctrl-C or SIGTERM stops everything it started (router, workers, Redis, in that order) and exits 0; no
 process is left behind, even if ``up`` itself is killed (children get SIGTERM when their parent dies). A
@@ -43,6 +49,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--http-port", type=int, default=None, help="router HTTP port (default: a free one)")
     p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="TOKENS",
                    help="prompts shorter than this are prefilled on the decode worker (default 0: never)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="API keys, one per line: the router and the workers' admin routes then require one")
     p.add_argument("--log-dir", default=None, help="where each service writes its log (default: a temp dir)")
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every worker, e.g. --worker-arg=--kv-cache-memory=1e9 (repeatable)")
@@ -58,6 +66,12 @@ def up(args: argparse.Namespace) -> int:
 
     if args.prefill < 1 or args.decode < 1:
         raise ValueError(f"a cluster needs >= 1 prefill and >= 1 decode worker, got {args.prefill}, {args.decode}")
+    auth_args = []
+    if args.api_key_file:  # read here first: a missing or empty file fails before anything starts
+        from common.security.auth import ApiKeys
+
+        ApiKeys.load(key_file=args.api_key_file, env={})
+        auth_args = ["--api-key-file", os.path.abspath(args.api_key_file)]
     model = args.model or str(_tiny_model())
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     stop = threading.Event()
@@ -76,7 +90,7 @@ def up(args: argparse.Namespace) -> int:
             for i in range(count):
                 name, port = f"{role}-{i}", free_port()
                 argv = [*py, role, "--model", model, "--port", str(port), "--redis-url", redis_url,
-                        "--worker-id", name, *args.worker_arg, *extra]
+                        "--worker-id", name, *auth_args, *args.worker_arg, *extra]
                 if role == "decode":  # its shm socket lives with the logs, even if the worker is killed
                     argv += ["--kv-shm-dir", str(log_dir / "kv")]
                 sup.spawn(name, argv, log_path=log_dir / f"{name}.log")
@@ -84,7 +98,7 @@ def up(args: argparse.Namespace) -> int:
         router_port, http_port = args.port or free_port(), args.http_port or free_port()
         router_argv = [*py, "router", "--model", model, "--port", str(router_port), "--http-port", str(http_port),
                        "--redis-url", redis_url, "--local-prefill-threshold", str(args.local_prefill_threshold),
-                       *args.router_arg]
+                       *auth_args, *args.router_arg]
         sup.spawn("router", router_argv, log_path=log_dir / "router.log")
         endpoints["router"] = f"127.0.0.1:{router_port}"
 

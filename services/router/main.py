@@ -12,6 +12,8 @@ from common.http.server import HttpFront
 from common.metrics.router import RouterMetrics
 from common.obs import Tracing
 from common.rpc.server import build_server
+from common.security.auth import Authenticator
+from common.security.grpc_auth import AuthInterceptor
 from common.state.prefix_index import PrefixIndex
 from common.state.records import RequestStore, SessionStore
 from common.state.redis_client import connect
@@ -61,11 +63,17 @@ def run(
     on_ready: Callable[[str, str], None] | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (or ``stop_event``). ``on_ready(address, http_address)`` is called once the
-    gRPC API and the HTTP front (OpenAI API, WebSocket stream, ``/metrics``, ``/healthz``, ``/readyz``) serve."""
+    gRPC API and the HTTP front (OpenAI API, WebSocket stream, ``/metrics``, ``/healthz``, ``/readyz``) serve.
+    With API keys or JWTs configured (:mod:`common.security.auth`), both need a credential except gRPC health
+    checks, ``/healthz``, ``/readyz`` and ``/metrics``."""
     stop_event = stop_event or threading.Event()
+    authenticator = Authenticator.from_config(config)  # None: auth off, every front open
+    if authenticator is not None:
+        log.info("authentication on: %s (open: gRPC health, /healthz, /readyz, /metrics)", authenticator.describe())
     model = load_model_info(config)
     redis = connect(config.redis_url)
-    view = RegistryView(WorkerRegistry(redis, prefix=config.redis_prefix), refresh_s=config.registry_refresh_s)
+    view = RegistryView(WorkerRegistry(redis, prefix=config.redis_prefix), refresh_s=config.registry_refresh_s,
+                        grace_s=config.registry_grace_s)
     view.start()
     records = RequestStore(redis, prefix=config.redis_prefix, finished_ttl_s=config.record_ttl_s)
     metrics = RouterMetrics(view.all_workers, lambda: not view.degraded)
@@ -76,6 +84,7 @@ def run(
     server, port, health = build_server(
         lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s),
         [SERVICE_NAME], host=config.host, port=config.port, max_workers=64,
+        interceptors=[AuthInterceptor(authenticator)] if authenticator else (),
     )  # fmt: skip
 
     def not_ready() -> list[str]:
@@ -89,7 +98,7 @@ def run(
         return {"redis": "degraded" if view.degraded else "ok",
                 **{f"{role}_workers": len(view.workers(role)) for role in WORKER_ROLES}}
 
-    http = HttpFront(config.host, config.http_port)
+    http = HttpFront(config.host, config.http_port, authenticator=authenticator)
     http.add_observability(metrics.registry, not_ready, details)
     RouterHttpApi(servicer, served_model_name(config)).register(http)
     http.start()

@@ -12,6 +12,11 @@ def _help(text: str) -> dict:
 @dataclass
 class WorkerConfig:
     model: str = field(default="", metadata=_help("local Hugging Face model directory (required)"))
+    allow_pickle_weights: bool = field(
+        default=False,
+        metadata=_help("load a model directory that has only pickle weights (*.bin): UNSAFE, unpickling a file "
+                       "can run code at load; use only for checkpoints you trust, prefer converting to safetensors"),
+    )
     dtype: str = field(default="auto", metadata=_help("float32 | bfloat16 | float16 | auto"))
     device: str = field(default="cpu", metadata=_help("cpu | cuda | cuda:N"))
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
@@ -42,6 +47,11 @@ class WorkerConfig:
         default=0, metadata=_help("prefix cache shared tier: most blocks kept in Redis for every worker (0: off)")
     )
     kv_shared_cache_ttl_s: float = field(default=600.0, metadata=_help("lifetime of a block in the shared tier"))
+    kv_encryption_key_file: str = field(
+        default="",
+        metadata=_help("file of the AES-256-GCM key (32 raw bytes, 64 hex digits or base64) that encrypts and "
+                       "authenticates KV blocks written outside the process (the shared tier); empty: plaintext"),
+    )
     warmup_file: str = field(default="", metadata=_help("JSONL of prefixes to compute and pin at start"))
     threads: int | None = field(default=None, metadata=_help("torch CPU threads"))
     default_max_tokens: int = field(default=64, metadata=_help("max_tokens when a request gives none"))
@@ -59,6 +69,19 @@ class WorkerConfig:
         default="", metadata=_help("OTLP gRPC endpoint of traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")
     )
     drain_timeout_s: float = field(default=30.0, metadata=_help("on SIGTERM, how long in-flight requests may finish"))
+    api_key_file: str = field(
+        default="", metadata=_help("API keys, one per line (# comments); with $PDSERVE_API_KEYS (comma-separated): "
+                                   "POST /admin/warmup needs one (gRPC, /metrics, /healthz, /readyz stay open)")
+    )
+    jwt_secret_file: str = field(default="", metadata=_help("accept JWTs signed HS256 with the secret in this file"))
+    jwt_public_key_file: str = field(
+        default="", metadata=_help("accept JWTs signed RS256/ES256 with the PEM public key in this file")
+    )
+    jwt_issuer: str = field(default="", metadata=_help("JWTs must have this 'iss' (default: not checked)"))
+    jwt_audience: str = field(default="", metadata=_help("JWTs must have this 'aud' (default: not checked)"))
     test_corrupt_kv_chunk: int | None = field(
         default=None, metadata=_help("TEST ONLY: prefill flips a byte of this KV chunk (seq) of every request")
+    )
+    test_stall_kv_chunk: int | None = field(
+        default=None, metadata=_help("TEST ONLY: prefill's KV stream of every request stops at this chunk (seq)")
     )

@@ -96,6 +96,19 @@ def test_bad_inputs_exit_2_with_a_clear_error(model_dir, tmp_path):
     assert empty.returncode == 2 and "prompt is empty" in empty.stderr
 
 
+def test_pickle_weights_need_the_flag_and_then_give_the_same_output(model_dir, tmp_path):
+    from tests.pickle_checkpoint import pickle_copy
+
+    pickled = str(pickle_copy(model_dir, tmp_path / "pickled"))
+    args = ("--prompt", "The class statement", "--max-tokens", "8", "--ignore-eos", "--json")
+    refused = pdserve("run", "--model", pickled, *args, check=False)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "['pytorch_model.bin']" in refused.stderr and "--allow-pickle-weights" in refused.stderr
+    allowed = pdserve("run", "--model", pickled, "--allow-pickle-weights", *args)
+    safe = pdserve("run", "--model", model_dir, *args)
+    assert json.loads(allowed.stdout)["token_ids"] == json.loads(safe.stdout)["token_ids"]
+
+
 def test_cli_help_does_not_import_torch():
     code = "import sys, pdserve.cli as c; c.build_parser(); assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

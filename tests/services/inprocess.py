@@ -24,9 +24,12 @@ class Cluster:
 
 
 @contextmanager
-def inprocess_cluster(model_dir: str, *, prefill: list[dict], decode: list[dict], router: dict | None = None):
-    """``prefill``/``decode``: one dict of WorkerConfig overrides per worker (``worker_id`` required)."""
-    with RedisServer() as redis:
+def inprocess_cluster(model_dir: str, *, prefill: list[dict], decode: list[dict], router: dict | None = None,
+                      redis_options: dict | None = None):
+    """``prefill``/``decode``: one dict of WorkerConfig overrides per worker (``worker_id`` required).
+    ``redis_options``: keyword arguments of :class:`~tests.redis_server.RedisServer` (``password``, ``tls``);
+    every service gets its ``url``."""
+    with RedisServer(**(redis_options or {})) as redis:
         stop = threading.Event()
         cluster = Cluster(redis_url=redis.url)
         threads = []

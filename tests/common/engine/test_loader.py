@@ -17,8 +17,11 @@ from common.engine.loader import (
     resolve_dtype,
     sha256_file,
     verify_manifest,
+    weight_files,
+    write_manifest,
 )
 from common.models.tiny import build_tiny
+from tests.pickle_checkpoint import pickle_copy
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +222,62 @@ def test_cuda_load(models):
     loaded = load_model(models["fp32"], device="cuda")
     assert loaded.device.type == "cuda"
     assert {p.device.type for p in loaded.model.parameters()} == {"cuda"}
+
+
+# -- pickle checkpoints: refused unless allowed ---------------------------------------------------------------
+
+
+def _greedy(loaded, prompt: list[int]) -> list[int]:
+    from common.engine.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=16, max_model_len=64))
+    [result] = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    return result.token_ids
+
+
+def test_a_pickle_checkpoint_is_refused_by_default_naming_its_files_and_the_flag(models, tmp_path):
+    pickled = pickle_copy(models["fp32"], tmp_path / "pickled")
+    with pytest.raises(ModelLoadError) as info:
+        load_model(pickled)
+    assert str(info.value) == (
+        f"model directory {pickled} has only pickle checkpoints ['pytorch_model.bin']; pickle checkpoints are "
+        "refused (unpickling can run code): convert them to safetensors, or pass --allow-pickle-weights "
+        "(allow_pickle=True) for a checkpoint you trust")
+
+
+def test_a_pickle_checkpoint_loads_with_allow_pickle_and_equals_the_safetensors_copy(models, tmp_path):
+    pickled = pickle_copy(models["fp32"], tmp_path / "pickled")
+    loaded = load_model(pickled, allow_pickle=True)
+    reference = load_model(models["fp32"])
+    ours, theirs = loaded.model.state_dict(), reference.model.state_dict()
+    assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    prompt = reference.tokenizer.encode("The class statement defines")
+    assert _greedy(loaded, prompt) == _greedy(reference, prompt)  # (engines repack the weights: compare first)
+    assert load_model(models["fp32"], allow_pickle=True).fingerprint == reference.fingerprint  # no effect here
+
+
+def test_pickle_weights_count_in_the_fingerprint_and_the_manifest(models, tmp_path):
+    a = pickle_copy(models["fp32"], tmp_path / "a")
+    b = pickle_copy(models["seed1"], tmp_path / "b")
+    assert compute_fingerprint(a) != compute_fingerprint(b)  # same config, other weights
+    assert load_model(a, allow_pickle=True).fingerprint == compute_fingerprint(a)
+    manifest = write_manifest(a)
+    assert manifest.read_text() == f"{sha256_file(a / 'pytorch_model.bin')}  pytorch_model.bin\n"
+    assert verify_manifest(a) is True
+    shutil.copy(a / "pytorch_model.bin", a / "extra.bin")
+    with pytest.raises(ModelLoadError, match=r"weight files not in SHA256SUMS: \['extra.bin'\]"):
+        verify_manifest(a)
+    (a / "extra.bin").unlink()
+    _flip_byte(a / "pytorch_model.bin", (a / "pytorch_model.bin").stat().st_size // 2)
+    with pytest.raises(ModelLoadError, match="pytorch_model.bin: SHA-256 mismatch"):
+        load_model(a, allow_pickle=True)
+
+
+def test_pickle_files_beside_safetensors_are_ignored(models, tmp_path):
+    both = _copy(models["fp32"], tmp_path / "both")
+    (both / "pytorch_model.bin").write_bytes(b"never read")
+    assert [p.name for p in weight_files(both)] == ["model.safetensors"]
+    assert verify_manifest(both) is True
+    assert load_model(both).fingerprint == compute_fingerprint(models["fp32"])
