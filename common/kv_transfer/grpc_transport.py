@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -113,15 +114,19 @@ class GrpcKVSender:
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         timeout_s: float = 60.0,
         corrupt_chunk_seq: int | None = None,
+        stall_chunk_seq: int | None = None,
         metadata: list[tuple[str, str]] | None = None,
     ) -> None:
-        """``metadata``: of the PushKv call (the trace context). ``corrupt_chunk_seq`` is a test-only fault:
-        that chunk's payload gets one byte flipped after its checksum was computed, so the receiver must
-        reject it."""
+        """``metadata``: of the PushKv call (the trace context). Test-only faults: ``corrupt_chunk_seq``: that
+        chunk's payload gets one byte flipped after its checksum was computed, so the receiver must reject it;
+        ``stall_chunk_seq``: the stream stops before that chunk and stays open, sending nothing, until the
+        transfer is aborted or times out (a stalled transfer: the chunks before it arrived, the rest never do)."""
         self.request_id = request_id
         self.num_layers = num_layers
         self.max_chunk_bytes = max_chunk_bytes
         self._corrupt_seq = corrupt_chunk_seq
+        self._stall_seq = stall_chunk_seq
+        self._ended = threading.Event()  # set by abort() and a timed-out finish(): a stalled stream gives up
         self._queue: queue.Queue = queue.Queue()
         self._num_bytes = 0
         self._num_chunks = 0
@@ -148,6 +153,7 @@ class GrpcKVSender:
         try:
             response = self._call.result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
+            self._ended.set()
             self._call.cancel()
             error = f"no acknowledgement within {timeout_s:.1f} s"
             return self._result(False, error, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -158,6 +164,7 @@ class GrpcKVSender:
         return self._result(True)
 
     def abort(self) -> None:
+        self._ended.set()
         self._queue.put(_END)
         self._call.cancel()
 
@@ -176,6 +183,9 @@ class GrpcKVSender:
             last = layer == self.num_layers - 1
             chunks = iter_layer_chunks(self.request_id, layer, k, v, self.max_chunk_bytes, first_seq=seq, last=last)
             for chunk in chunks:
+                if seq == self._stall_seq:
+                    self._ended.wait()
+                    return
                 message = b"".join((_field1_prefix(chunk.num_bytes), chunk.header_buf, *chunk.payload_parts))
                 if seq == self._corrupt_seq:
                     message = message[:-1] + bytes([message[-1] ^ 0xFF])

@@ -59,6 +59,12 @@ def workers_index_key(role: str, *, prefix: str = DEFAULT_PREFIX) -> str:
     return f"{check_prefix(prefix)}workers:{_check_id('role', role)}"
 
 
+def registry_epoch_key(*, prefix: str = DEFAULT_PREFIX) -> str:
+    """String naming this Redis's registry epoch (a random id, no TTL): it changes when Redis restarts empty or
+    is flushed, which tells a router that the workers missing from the registry are re-registering."""
+    return f"{check_prefix(prefix)}registry:epoch"
+
+
 def request_key(request_id: str, *, prefix: str = DEFAULT_PREFIX) -> str:
     """Hash of one request's :class:`RequestRecord`."""
     return f"{check_prefix(prefix)}request:{_check_id('request_id', request_id)}"

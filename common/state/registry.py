@@ -23,13 +23,14 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
-from common.state.keys import DEFAULT_PREFIX, check_prefix, worker_key, workers_index_key
+from common.state.keys import DEFAULT_PREFIX, check_prefix, registry_epoch_key, worker_key, workers_index_key
 from common.state.records import decode_fields, encode_fields, ttl_ms
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,15 @@ class WorkerRegistry:
                 pipe.srem(self._index(role), worker_id)
             return bool(pipe.execute()[0])
 
+    def epoch(self) -> str:
+        """This Redis's registry epoch: a random id set by the first caller and kept until Redis loses its
+        data (restart without persistence, flush), when the next caller sets a new one. One round trip."""
+        key = registry_epoch_key(prefix=self._prefix)
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.set(key, uuid.uuid4().hex, nx=True)
+            pipe.get(key)
+            return pipe.execute()[1].decode()
+
     def get(self, worker_id: str) -> WorkerInfo | None:
         """The live entry, or None. ValueError if the stored entry does not decode."""
         data = self._client.hgetall(self._key(worker_id))
@@ -221,12 +231,18 @@ class Heartbeater:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._connected = False
+        self._ever_connected = False
         self._last_error: BaseException | None = None
 
     @property
     def connected(self) -> bool:
         """True once a beat reached Redis and until one fails."""
         return self._connected
+
+    @property
+    def ever_connected(self) -> bool:
+        """True once any beat reached Redis (the worker has been registered at least once)."""
+        return self._ever_connected
 
     @property
     def last_error(self) -> BaseException | None:
@@ -273,6 +289,7 @@ class Heartbeater:
                 if outage_logged:
                     logger.warning("heartbeat to Redis succeeded again; worker %r re-registered", info.id)
                 self._connected, needs_register, outage_logged, error_logged = True, False, False, False
+                self._ever_connected = True
             # Fixed rate: the next beat is due interval_s after the previous one was due; if a beat overran
             # (slow Redis), the missed ones are skipped rather than fired back to back.
             now = time.monotonic()

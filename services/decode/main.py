@@ -38,6 +38,7 @@ def make_parts(config: WorkerConfig):
             metrics=obs.metrics,
             tracing=obs.tracing,
             max_pending_requests=config.max_pending_requests,
+            draining=obs.draining,
         )
 
         def details() -> dict:

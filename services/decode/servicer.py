@@ -21,6 +21,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -77,8 +78,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         metrics: WorkerMetrics | None = None,
         tracing: Tracing | None = None,
         max_pending_requests: int = 256,
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
-        """``shm_receiver``: a same-host shared-memory KV endpoint offered to prefill workers besides PushKv."""
+        """``shm_receiver``: a same-host shared-memory KV endpoint offered to prefill workers besides PushKv.
+        ``draining``: True once the worker is stopping; new requests are then refused (reserved ones finish)."""
         self.loop = loop
         self.identity = identity
         self.generation_config = generation_config
@@ -91,6 +94,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.metrics = metrics
         self.tracing = tracing or Tracing("pdserve-decode", environ={})
         self.max_pending_requests = max_pending_requests
+        self.draining = draining
         self.host = socket.gethostname()
 
     # -- ReserveKv ----------------------------------------------------------------------------------------
@@ -134,7 +138,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         return response
 
     def _check_room(self, context) -> None:
-        """A bounded queue: RESOURCE_EXHAUSTED (the router tries another worker) past --max-pending-requests."""
+        """A bounded queue: RESOURCE_EXHAUSTED (the router tries another worker) past --max-pending-requests,
+        or at once when the worker is draining."""
+        if self.draining():
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker draining: takes no new requests")
         stats = self.loop.stats
         pending = len(self._reservations) + stats.num_requests_running + stats.num_requests_waiting
         if pending >= self.max_pending_requests:

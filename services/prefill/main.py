@@ -22,10 +22,12 @@ def make_parts(config: WorkerConfig):
             transfer_timeout_s=config.kv_transfer_timeout_s,
             chunk_bytes=config.kv_chunk_bytes,
             corrupt_chunk_seq=config.test_corrupt_kv_chunk,
+            stall_chunk_seq=config.test_stall_kv_chunk,
             kv_transport=config.kv_transport,
             metrics=obs.metrics,
             tracing=obs.tracing,
             max_pending_requests=config.max_pending_requests,
+            draining=obs.draining,
         )
         return WorkerParts(
             add_to_server=lambda server: worker_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),

@@ -20,6 +20,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -50,12 +51,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         chunk_bytes: int = 4 << 20,
         prefill_timeout_s: float = 600.0,
         corrupt_chunk_seq: int | None = None,
+        stall_chunk_seq: int | None = None,
         kv_transport: str = "grpc",
         metrics: WorkerMetrics | None = None,
         tracing: Tracing | None = None,
         max_pending_requests: int = 256,
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
-        """``kv_transport``: "grpc", or "shm" to use shared memory with decode workers on this host."""
+        """``kv_transport``: "grpc", or "shm" to use shared memory with decode workers on this host.
+        ``draining``: True once the worker is stopping; new prefills are then refused (running ones finish)."""
         self.loop = loop
         self.identity = identity
         self.generation_config = generation_config
@@ -64,10 +68,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.chunk_bytes = chunk_bytes
         self.prefill_timeout_s = prefill_timeout_s
         self.corrupt_chunk_seq = corrupt_chunk_seq
+        self.stall_chunk_seq = stall_chunk_seq
         self.kv_transport = kv_transport
         self.metrics = metrics
         self.tracing = tracing or Tracing("pdserve-prefill", environ={})
         self.max_pending_requests = max_pending_requests
+        self.draining = draining
         self.host = socket.gethostname()
         self._senders: dict[str, GrpcKVSender | _ConnectorRequest] = {}
         self._channels: dict[str, grpc.Channel] = {}
@@ -109,6 +115,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             sampling = convert.sampling_from_proto(request.sampling, self.generation_config, self.default_max_tokens)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.draining():
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill worker draining: takes no new requests")
         pending = len(self._senders)
         if pending >= self.max_pending_requests:  # a bounded queue: the router tries another worker
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -189,6 +197,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             max_chunk_bytes=self.chunk_bytes,
             timeout_s=self.transfer_timeout_s + self.prefill_timeout_s,
             corrupt_chunk_seq=self.corrupt_chunk_seq,
+            stall_chunk_seq=self.stall_chunk_seq,
             metadata=self.tracing.outgoing_metadata(),
         )
 

@@ -23,8 +23,14 @@ class RouterConfig:
     default_max_tokens: int = field(default=64, metadata=_help("max_tokens when a request gives none"))
     max_model_len: int | None = field(default=None, metadata=_help("context length (default: the model's)"))
     registry_refresh_s: float = field(default=0.5, metadata=_help("how often the worker list is re-read"))
+    registry_grace_s: float = field(
+        default=5.0, metadata=_help("after a Redis outage or restart, keep workers missing from it this long")
+    )
     kv_lease_s: float = field(default=30.0, metadata=_help("lease of a decode worker's KV reservation"))
     max_retries: int = field(default=1, metadata=_help("retries on another worker pair when a hand-off fails"))
+    worker_cooldown_s: float = field(
+        default=5.0, metadata=_help("a worker that failed a call as if dead (unreachable, hung) goes last this long")
+    )
     local_prefill_threshold: int = field(
         default=0, metadata=_help("prompts shorter than this many tokens are prefilled on the decode worker (0: never)")
     )
@@ -41,3 +47,13 @@ class RouterConfig:
         default="", metadata=_help("OTLP gRPC endpoint of traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")
     )
     record_ttl_s: float = field(default=60.0, metadata=_help("how long Redis keeps a finished request's record"))
+    api_key_file: str = field(
+        default="", metadata=_help("API keys, one per line (# comments); with $PDSERVE_API_KEYS (comma-separated): "
+                                   "the gRPC API and HTTP routes but /healthz, /readyz, /metrics need one")
+    )
+    jwt_secret_file: str = field(default="", metadata=_help("accept JWTs signed HS256 with the secret in this file"))
+    jwt_public_key_file: str = field(
+        default="", metadata=_help("accept JWTs signed RS256/ES256 with the PEM public key in this file")
+    )
+    jwt_issuer: str = field(default="", metadata=_help("JWTs must have this 'iss' (default: not checked)"))
+    jwt_audience: str = field(default="", metadata=_help("JWTs must have this 'aud' (default: not checked)"))

@@ -73,6 +73,8 @@ class DecodeStreamMixin:
                         raise HandoffError(exc.code(), f"decode worker {d_id} could not serve it: {exc.details()}",
                                            d_id)  # fmt: skip
                     failed.add(d_id)
+                    if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                        self.tracker.suspect(d_id)  # it died or hangs: new requests avoid it too
                     moved = None
                     if exc.code() in MIGRATABLE and migrations < self.config.max_migrations and context.is_active():
                         moved = self._migrate(rid, prompt_ids, timer.token_ids, sampling_msg, deadline_s, failed,
@@ -132,10 +134,13 @@ class DecodeStreamMixin:
             prefill_worker_id=prefill_id, decode_worker_id=decode_id,
         )  # fmt: skip
 
-    def _release(self, decode_stub, rid: str) -> None:
+    def _release(self, decode_stub, rid: str) -> bool:
+        """Free a request's reservation (or stop its decoding) on a decode worker; False if it did not answer."""
         try:
             decode_stub.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid), timeout=5.0)
         except grpc.RpcError as exc:  # the lease frees the blocks anyway
             log.warning("could not release KV of %s: %s", rid, exc.details())
+            return False
+        return True
 
     # -- request records (best effort: Redis trouble never fails a request) -------------------------------

@@ -4,6 +4,9 @@ The router's own bookkeeping is exact and immediate; the registry's load figures
 (about a second) old, so a burst would pile onto whichever worker looked idlest a second ago, and a worker
 whose last heartbeat caught a request that has long finished would look busy. So, per pool:
 
+0. not a suspect: a worker that just failed a call as if dead (unreachable, hung) is tried last for a cool-down
+   (its registry entry lives on until its heartbeat lapses, and every request would otherwise spend its
+   retry on it);
 1. fewest requests this router has in flight there (a slow worker accumulates them: it gets fewer new ones);
 2. then the fewest requests this router ever sent there (round robin over an idle pool);
 3. then the registry's view: for decode, fewest running + waiting requests and most free KV blocks; for
@@ -17,7 +20,9 @@ tries the next one.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.state.registry import WorkerInfo
@@ -30,12 +35,32 @@ class Choice:
 
 
 class LoadTracker:
-    """This router's in-flight requests per worker, and how many it ever sent each (thread-safe)."""
+    """This router's in-flight requests per worker, how many it ever sent each, and which workers are
+    suspects (thread-safe). ``cooldown_s``: how long a suspect stays one."""
 
-    def __init__(self) -> None:
+    def __init__(self, cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._inflight: Counter[str] = Counter()
         self._assigned: Counter[str] = Counter()
+        self._suspect_until_s: dict[str, float] = {}
+        self.cooldown_s = cooldown_s
+        self._clock = clock
         self._lock = threading.Lock()
+
+    def suspect(self, worker_id: str) -> None:
+        """``worker_id`` failed a call as if dead: try it last for the next ``cooldown_s``."""
+        with self._lock:
+            self._suspect_until_s[worker_id] = self._clock() + self.cooldown_s
+
+    def is_suspect(self, worker_id: str) -> bool:
+        until = self._suspect_until_s.get(worker_id)
+        if until is None:
+            return False
+        if self._clock() < until:
+            return True
+        with self._lock:
+            if self._suspect_until_s.get(worker_id) == until:
+                del self._suspect_until_s[worker_id]
+        return False
 
     def acquire(self, worker_id: str) -> None:
         with self._lock:
@@ -63,7 +88,7 @@ def pick_decode(workers: list[WorkerInfo], tracker: LoadTracker, exclude: set[st
     def score(w: WorkerInfo) -> tuple:
         registry_load = w.num_requests_running + w.num_requests_waiting
         free = w.kv_blocks_total - w.kv_blocks_used
-        return (tracker.get(w.id), tracker.assigned(w.id), registry_load, -free, w.id)
+        return (tracker.is_suspect(w.id), tracker.get(w.id), tracker.assigned(w.id), registry_load, -free, w.id)
 
     best = min(candidates, key=score)
     return Choice(best, f"decode {best.id}: {tracker.get(best.id)} in flight here, of {len(candidates)} candidates")
@@ -76,7 +101,7 @@ def pick_prefill(workers: list[WorkerInfo], tracker: LoadTracker, exclude: set[s
 
     def score(w: WorkerInfo) -> tuple:
         registry_load = w.num_requests_waiting + w.num_requests_running
-        return (tracker.get(w.id), tracker.assigned(w.id), registry_load, w.id)
+        return (tracker.is_suspect(w.id), tracker.get(w.id), tracker.assigned(w.id), registry_load, w.id)
 
     best = min(candidates, key=score)
     return Choice(best, f"prefill {best.id}: {tracker.get(best.id)} in flight here, of {len(candidates)} candidates")
@@ -100,7 +125,8 @@ def pick_prefill_cached(
         return tracker.get(w.id) + w.num_requests_waiting
 
     def score(w: WorkerInfo) -> tuple:
-        return (cached_tokens.get(w.id, 0) - load_penalty_tokens * load(w), -tracker.assigned(w.id), w.id)
+        return (not tracker.is_suspect(w.id), cached_tokens.get(w.id, 0) - load_penalty_tokens * load(w),
+                -tracker.assigned(w.id), w.id)
 
     best = max(candidates, key=score)
     return Choice(best, f"prefill {best.id}: {cached_tokens.get(best.id, 0)} of {num_prompt} prompt tokens cached "

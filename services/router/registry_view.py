@@ -2,7 +2,9 @@
 
 When Redis is unreachable the router keeps serving from the last view it had (``degraded`` turns True and
 the view's age grows) instead of failing every request; a worker whose heartbeat lapsed disappears from the
-next successful read.
+next successful read. When Redis comes back, or comes back empty (restarted without persistence, flushed:
+its registry epoch changed), the workers missing from it are kept for ``grace_s`` while they re-register at
+their next heartbeat, instead of the router seeing an empty cluster for that second.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ log = logging.getLogger(__name__)
 
 
 class RegistryView:
-    def __init__(self, registry: WorkerRegistry, *, refresh_s: float = 0.5) -> None:
+    def __init__(self, registry: WorkerRegistry, *, refresh_s: float = 0.5, grace_s: float = 5.0) -> None:
         self.registry = registry
         self.refresh_s = refresh_s
+        self.grace_s = grace_s
+        self._epoch: str | None = None
+        self._grace_until_s = 0.0  # monotonic; until then, workers missing from a read are kept
         self._workers: list[WorkerInfo] = []  # ready ones: what requests may go to
         self._all: list[WorkerInfo] = []  # every live entry, draining ones too (for metrics)
         self.updated_at_s = 0.0  # monotonic time of the last successful read
@@ -49,17 +54,26 @@ class RegistryView:
         """Re-read the registry now; False (and the old view kept) if Redis did not answer."""
         try:
             workers = self.registry.list_workers()
+            epoch = self.registry.epoch()
         except Exception as exc:  # noqa: BLE001 - any Redis failure: keep the last view
             if not self.degraded:
                 n = len(self._workers)
                 log.warning("registry unreachable (%s); serving from the last view of %d workers", exc, n)
             self.degraded = True
             return False
-        if self.degraded:
-            log.info("registry reachable again: %d workers", len(workers))
+        now = time.monotonic()
+        restarted = self._epoch is not None and epoch != self._epoch
+        if self.degraded or restarted:
+            self._grace_until_s = now + self.grace_s
+            log.info("registry reachable again%s: %d workers; keeping the missing ones %.1f s while they re-register",
+                     " (Redis lost its data)" if restarted else "", len(workers), self.grace_s)
+        self._epoch = epoch
+        if now < self._grace_until_s:
+            listed = {w.id for w in workers}
+            workers = [*workers, *(w for w in self._all if w.id not in listed)]
         self._all = list(workers)
         self._workers = [w for w in workers if w.state == "ready"]
-        self.updated_at_s = time.monotonic()
+        self.updated_at_s = now
         self.degraded = False
         return True
 

@@ -82,7 +82,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         self.config = config
         self.metrics = metrics
         self.tracing = tracing
-        self.tracker = LoadTracker()
+        self.tracker = LoadTracker(config.worker_cooldown_s)
         self._channels: dict[str, grpc.Channel] = {}
 
     def _channel(self, address: str) -> grpc.Channel:
@@ -153,6 +153,9 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                         break
                     last_error = exc
                     excluded.add(exc.worker_id)
+                    if exc.worker_id and (exc.code is grpc.StatusCode.UNAVAILABLE or (
+                            exc.code is grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline_s)):
+                        self.tracker.suspect(exc.worker_id)  # unreachable or hung: other requests avoid it too
                     log.warning("request %s attempt %d failed: %s", rid, attempt, exc)
                     if exc.code not in _RETRYABLE or time.monotonic() >= deadline_s:
                         break
@@ -178,7 +181,8 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                session: SessionRecord | None = None, full: frozenset[str] = frozenset()):
         """One attempt on one worker pair (or one decode worker prefilling locally); returns the decode
         worker's id. ``full``: workers that answered RESOURCE_EXHAUSTED. Raises HandoffError before the first
-        token reaches the client; after that, a failure aborts the call (mid-stream migration comes later)."""
+        token reaches the client; after that, a decode worker that fails hands the request to another one
+        (:meth:`_relay`)."""
         workers = self.view.workers()
         if not pick_decode(workers, self.tracker, excluded) or not pick_prefill(workers, self.tracker, excluded):
             self.view.refresh()  # the view may predate a worker that just registered
@@ -210,7 +214,8 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         prefill_released = False
         metadata = self.tracing.outgoing_metadata()
         try:
-            # 2. reserve on decode
+            # 2. reserve on decode (the prefill must answer within the lease: after it the KV has no home)
+            lease_ends_s = time.monotonic() + self.config.kv_lease_s
             try:
                 reserved = decode_stub.ReserveKv(
                     worker_pb2.ReserveKvRequest(request_id=rid, num_tokens=len(prompt_ids),
@@ -226,7 +231,8 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                 worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
                                           kv_target_address=d.address, decode_identity=reserved.identity,
                                           kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host),
-                timeout=max(0.1, deadline_s - time.monotonic()), metadata=metadata,
+                timeout=max(0.1, min(deadline_s - time.monotonic(), lease_ends_s - time.monotonic())),
+                metadata=metadata,
             )  # fmt: skip
             context.add_callback(call.cancel)
             try:
@@ -237,10 +243,16 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                 timer.fail(grpc.StatusCode.CANCELLED.name)
                 context.abort(grpc.StatusCode.CANCELLED, f"request {rid} cancelled by the client")
             except grpc.RpcError as exc:
-                self._release(decode_stub, rid)
+                if not self._release(decode_stub, rid):  # the decode worker does not answer either: avoid it
+                    excluded.add(d.id)  # too (a hung or dead one, while its registry entry has not lapsed)
+                    self.tracker.suspect(d.id)
+                details = exc.details()
+                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline_s - 0.05:
+                    details = (f"no first token before the KV reservation's lease ended "
+                               f"(--kv-lease-s {self.config.kv_lease_s:g}): the prefill or its KV transfer stalled")
                 # The retry avoids this prefill worker (a corrupt or late transfer starts at the sender as
                 # often as anywhere); the decode worker stays eligible, it may be the only one.
-                raise HandoffError(exc.code(), f"prefill on {p.id} (KV to {d.id}) failed: {exc.details()}", p.id)
+                raise HandoffError(exc.code(), f"prefill on {p.id} (KV to {d.id}) failed: {details}", p.id)
             finally:
                 self.tracker.release(p.id)
                 prefill_released = True

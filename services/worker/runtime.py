@@ -35,8 +35,10 @@ from common.http.server import HttpFront
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing
 from common.rpc.server import build_server
+from common.security.auth import Authenticator
+from common.security.kv_crypto import KVCipher
 from common.state.prefix_index import PrefixIndex, PrefixPublisher
-from common.state.redis_client import connect, redact_url
+from common.state.redis_client import connect, describe_error
 from common.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
 from pdserve import __version__
 from services.worker.config import WorkerConfig
@@ -47,10 +49,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WorkerObs:
-    """The worker's observability objects, built by :func:`serve_worker` and handed to the role's parts."""
+    """The worker's observability objects and state, built by :func:`serve_worker` for the role's parts."""
 
     metrics: WorkerMetrics
     tracing: Tracing
+    draining: Callable[[], bool] = lambda: False  # True once SIGTERM came: take no new requests
 
 
 @dataclass
@@ -68,13 +71,18 @@ class WorkerParts:
 def build_engine(config: WorkerConfig) -> LLMEngine:
     if not config.model:
         raise ValueError("a worker needs --model (a local model directory)")
-    loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+    loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                        allow_pickle=config.allow_pickle_weights)
     return LLMEngine(loaded, EngineConfig.from_settings(config))
 
 
 def attach_kv_tiers(engine: LLMEngine, identity: ModelIdentity, config: WorkerConfig) -> None:
     """The prefix cache's spill tiers, when configured: host memory, then blocks shared through Redis by every
-    worker whose KV identity (model, dtype, block shape) matches."""
+    worker whose KV identity (model, dtype, block shape) and KV encryption key match.
+
+    A ``kv_encryption_key_file`` is read even when no shared tier uses it, so a bad key file fails the start
+    (ValueError naming the file)."""
+    cipher = KVCipher.from_key_file(config.kv_encryption_key_file) if config.kv_encryption_key_file else None
     if not engine.config.prefix_caching or not (config.kv_host_cache_blocks or config.kv_shared_cache_blocks):
         return
     shared = None
@@ -84,7 +92,9 @@ def attach_kv_tiers(engine: LLMEngine, identity: ModelIdentity, config: WorkerCo
         shared = RedisKVStore(connect(config.redis_url), prefix=config.redis_prefix, space=space,
                               shape=(spec.num_layers, 2, spec.num_kv_heads, spec.block_size, spec.head_dim),
                               dtype=spec.dtype, ttl_s=config.kv_shared_cache_ttl_s,
-                              max_blocks=config.kv_shared_cache_blocks)  # fmt: skip
+                              max_blocks=config.kv_shared_cache_blocks, cipher=cipher)  # fmt: skip
+        log.info("shared KV tier in Redis, key space %s (%s)", shared.space,
+                 "AES-256-GCM" if cipher else "plaintext")
     engine.attach_kv_tiers(KVTiers(config.kv_host_cache_blocks, shared))
 
 
@@ -100,9 +110,11 @@ def serve_worker(
 
     ``on_ready(address, metrics_address)`` is called once the worker serves and is registered (tests use it).
     Besides gRPC, the worker serves ``/metrics``, ``/healthz`` and ``/readyz`` over HTTP on
-    ``config.metrics_port`` (``metrics_address``).
+    ``config.metrics_port`` (``metrics_address``), and ``POST /admin/warmup``, which needs an API key or JWT
+    when ``--api-key-file``/``PDSERVE_API_KEYS``/``--jwt-*`` are set (:mod:`common.security.auth`).
     """
     stop_event = stop_event or threading.Event()
+    authenticator = Authenticator.from_config(config)  # before the model loads: a bad key file fails fast
     engine = build_engine(config)
     identity = ModelIdentity.of_engine(engine)
     attach_kv_tiers(engine, identity, config)
@@ -110,7 +122,7 @@ def serve_worker(
     metrics = WorkerMetrics(role, lambda: loop.stats, lambda: heartbeater is not None and heartbeater.connected)
     loop = EngineLoop(engine, name=f"{role}-engine", on_request_finished=metrics.observe_request).start()
     tracing = Tracing(f"pdserve-{role}", config.otlp_endpoint)
-    parts = make_parts(loop, identity, WorkerObs(metrics, tracing))
+    parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
     server, port, health = build_server(parts.add_to_server, parts.service_names, host=config.host, port=config.port)
     address = f"{config.advertise_host or config.host}:{port}"
     worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -120,21 +132,22 @@ def serve_worker(
         reasons = []
         if stop_event.is_set():
             reasons.append("draining: stopping, takes no new requests")
-        if heartbeater is None or not heartbeater.connected:
-            reasons.append("not registered in Redis")
+        if heartbeater is None or not heartbeater.ever_connected:  # a Redis outage later is no reason: the
+            reasons.append("not registered in Redis")  # routers keep their view of it (details say degraded)
         if not loop.running:
             reasons.append("engine loop stopped")
         return reasons
 
     def details() -> dict:
         stats = loop.stats
-        return {"role": role, "id": worker_id, "num_requests_running": stats.num_requests_running,
+        redis_state = "ok" if heartbeater is not None and heartbeater.connected else "degraded"
+        return {"role": role, "id": worker_id, "redis": redis_state, "num_requests_running": stats.num_requests_running,
                 "num_requests_waiting": stats.num_requests_waiting, **(parts.details() if parts.details else {})}
 
     if config.warmup_file:  # before serving: the router's first view already finds the prefixes cached
         result = warm_up(loop, prompt_ids(loop, read_warmup_file(config.warmup_file)))
         log.info("warm-up: %s", result)
-    http = HttpFront(config.host, config.metrics_port)
+    http = HttpFront(config.host, config.metrics_port, authenticator=authenticator)  # /admin/*: keys when set
     http.add_observability(metrics.registry, not_ready, details)
     http.route("POST", "/admin/warmup", admin_route(loop))
     http.start()
@@ -164,8 +177,7 @@ def serve_worker(
     try:
         registry.register(info())
     except Exception as exc:  # noqa: BLE001 - Redis down at start: the heartbeater keeps trying
-        url = redact_url(config.redis_url)
-        log.warning("could not register in Redis at %s (%s); retrying in the background", url, exc)
+        log.warning("could not register in %s; retrying in the background", describe_error(exc, config.redis_url))
     heartbeater.start()
     health.set_serving(True)
     log.info("%s worker %s serving on %s, metrics on %s (model %s)", role, worker_id, address, metrics_address,

@@ -1,11 +1,13 @@
 """SIGTERM on a worker (real processes, ``pdserve up``): readiness turns false at once, it leaves the
-registry, its in-flight stream finishes normally (no migration), it exits 0, and new requests go elsewhere."""
+registry, its in-flight work finishes normally (a decode worker's stream without migration, a prefill
+worker's prefill without a retry), it exits 0, and new requests go elsewhere."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +17,7 @@ import pytest
 from pdserve.client import Client, Result
 from tests.cli import pdserve
 from tests.conftest import hf_greedy
+from tests.services.probe import metric, wait_for, workers
 from tests.services.up import pdserve_up
 
 
@@ -67,3 +70,41 @@ def test_sigterm_drains_a_decode_worker_without_losing_its_stream(cluster, model
     while not any(exit_line in line for line in cluster["stderr"]):
         assert time.monotonic() < deadline, cluster["stderr"][-5:]
         time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def slow_prefill_cluster(model_dir, tmp_path_factory):
+    with pdserve_up("--model", model_dir, "--prefill", "2", "--log-dir", str(tmp_path_factory.mktemp("drain-p-logs")),
+                    "--worker-arg=--kv-cache-memory=6e7", "--prefill-arg=--prefill-chunk-size=16",
+                    "--prefill-arg=--max-num-batched-tokens=16") as info:
+        info["workers"] = workers(info["redis"])
+        yield info
+
+
+def test_sigterm_drains_a_prefill_worker_finishing_its_prefills(slow_prefill_cluster, model_dir, hf_reference):
+    c = slow_prefill_cluster
+    prompt = [(7 * i) % 4000 + 4 for i in range(1200)]  # ~75 engine steps of 16 tokens on the prefill worker
+    outcome: dict = {}
+    retries_before = metric(c["http"], "pdserve:handoff_retries_total")
+    with Client(c["router"], timeout_s=120) as client:
+        thread = threading.Thread(target=lambda: outcome.update(
+            result=client.generate(prompt, max_tokens=4, temperature=0.0, ignore_eos=True)))
+        thread.start()
+        prefills = [w for w in c["workers"].values() if w.role == "prefill"]
+        busy = wait_for(lambda: next((w for w in prefills if metric(w.metrics_address, "pdserve:num_requests_running")),
+                                     None), 30, "a prefill running", interval_s=0.01)
+        os.kill(busy.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        while readyz(busy.metrics_address) != 503:
+            assert time.monotonic() - t0 < 2.0, "readiness did not turn false"
+            time.sleep(0.02)
+        thread.join(120)
+        assert busy.id not in workers(c["redis"])  # deregistered at once
+        after = client.generate(prompt[:40], max_tokens=3, temperature=0.0, ignore_eos=True)
+        assert after.prefill_worker_id not in ("", busy.id)
+    result = outcome["result"]
+    assert result.prefill_worker_id == busy.id  # finished where it ran: no retry
+    assert metric(c["http"], "pdserve:handoff_retries_total") == retries_before
+    assert result.token_ids == hf_greedy(hf_reference(model_dir), prompt, 4)
+    exit_line = f"{busy.id} (pid {busy.pid}) exited with code 0"
+    wait_for(lambda: any(exit_line in line for line in c["stderr"]), 30, exit_line)

@@ -74,3 +74,21 @@ def test_cache_aware_prefill_weighs_cached_tokens_against_load():
     assert pick_prefill_cached(workers, tracker, set(), {"p1": 512}, 600, 256).worker.id == "p0"
     assert pick_prefill_cached(workers, tracker, {"p0"}, {"p1": 512}, 600, 256).worker.id == "p1"
     assert "in flight here" in pick_prefill_cached(workers, LoadTracker(), set(), {}, 600, 256).reason  # no cache
+
+
+def test_a_suspect_goes_last_in_every_pool_until_its_cooldown_ends():
+    now = [100.0]
+    tracker = LoadTracker(cooldown_s=5.0, clock=lambda: now[0])
+    workers = [worker("p0", "prefill"), worker("p1", "prefill", waiting=9), worker("d0", "decode"),
+               worker("d1", "decode", running=9, used=90)]
+    tracker.suspect("p0")
+    tracker.suspect("d0")
+    assert pick_prefill(workers, tracker, set()).worker.id == "p1"
+    assert pick_decode(workers, tracker, set()).worker.id == "d1"
+    cached = pick_prefill_cached(workers, tracker, set(), {"p0": 512, "p1": 16}, 600, 1)
+    assert cached.worker.id == "p1"  # p0's cache does not outweigh its suspicion
+    assert pick_decode(workers, tracker, {"d1"}).worker.id == "d0"  # a suspect beats no worker at all
+    now[0] += 5.0
+    assert not tracker.is_suspect("p0")
+    assert pick_prefill(workers, tracker, set()).worker.id == "p0"
+    assert pick_decode(workers, tracker, set()).worker.id == "d0"
