@@ -1,7 +1,7 @@
 """What disaggregation costs: the cluster (1 prefill + 1 decode process) against one process running the
 engine alone, measured side by side in one run, and the KV transports against a bare gRPC byte stream.
 
-    python benchmarks/disagg_overhead.py [--model DIR] [--json]
+    python benchmarks/disagg_overhead.py [--model DIR] [--json] [--tls]
 
 Model: the ~60M Llama (built with --size 60m if missing; context 4096), fp32. For prompts of 128, 512 and
 2048 tokens (greedy, 32 new tokens, EOS ignored, each measured 3 times, median):
@@ -12,7 +12,8 @@ Model: the ~60M Llama (built with --size 60m if missing; context 4096), fp32. Fo
 Throughput: KV over gRPC (PushKv of large reservations, 4 MiB chunks, two transfers in flight) against a
 bare gRPC byte stream of 4 MiB messages (DecodeService.ProbeLink) between the same two processes (this one,
 sending as a prefill worker would, and the decode worker), medians of interleaved rounds; KV over shared
-memory (common.kv_transfer.shm).
+memory (common.kv_transfer.shm). ``--tls``: the cluster runs with mutual TLS between services (``pdserve up
+--tls-dir``), and this process dials the workers with the cluster's client certificate: the cost of mTLS.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from concurrent import futures
@@ -42,6 +44,7 @@ from common.engine.sampling_params import SamplingParams  # noqa: E402
 from common.kv_transfer.grpc_transport import GrpcKVSender, probe_link  # noqa: E402
 from common.rpc.malloc import tune_malloc  # noqa: E402
 from common.rpc.server import channel  # noqa: E402
+from common.rpc.tls import TlsFiles  # noqa: E402
 from common.state.redis_client import connect  # noqa: E402
 from common.state.registry import WorkerRegistry  # noqa: E402
 from pdserve.client import Client  # noqa: E402
@@ -86,11 +89,14 @@ def single_process(model: str, threads: int) -> dict[int, dict]:
 # -- the cluster -----------------------------------------------------------------------------------------------
 
 
-def start_cluster(model: str, threads: int) -> tuple[subprocess.Popen, dict]:
+def start_cluster(model: str, threads: int, tls: bool = False) -> tuple[subprocess.Popen, dict]:
+    """``pdserve up`` with 1 prefill and 1 decode worker; ``info``: the ready line's fields, each role's worker
+    address, and ``worker_tls`` (the files to dial the workers with; None: plaintext)."""
+    tls_args = ["--tls-dir", tempfile.mkdtemp(prefix="pdserve-bench-tls-")] if tls else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "up", "--model", model, "--prefill", "1", "--decode", "1",
          f"--worker-arg=--threads={threads}", "--worker-arg=--max-model-len=4096",
-         "--worker-arg=--kv-cache-memory=2e9", "--worker-arg=--max-num-seqs=8"],
+         "--worker-arg=--kv-cache-memory=2e9", "--worker-arg=--max-num-seqs=8", *tls_args],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     line = proc.stdout.readline()
@@ -101,7 +107,14 @@ def start_cluster(model: str, threads: int) -> tuple[subprocess.Popen, dict]:
     info = {"router": fields[2], **dict(f.split("=", 1) for f in fields[3:])}
     workers = WorkerRegistry(connect(info["redis"])).list_workers()
     info.update({w.role: w.address for w in workers})
+    tls_dir = info.get("tls")  # pdserve up --tls-dir: its client certificate reaches the workers
+    info["worker_tls"] = (TlsFiles(f"{tls_dir}/client.pem", f"{tls_dir}/client.key", f"{tls_dir}/ca.pem")
+                          if tls_dir else None)  # fmt: skip
     return proc, info
+
+
+def worker_channel(info: dict, role: str):
+    return channel(info[role], info["worker_tls"])
 
 
 def through_router(router: str) -> dict[int, dict]:
@@ -127,8 +140,8 @@ def through_router(router: str) -> dict[int, dict]:
 
 def handoff_breakdown(info: dict) -> dict[int, dict]:
     """Drive the hand-off by hand (as the router does) to read the prefill worker's transfer figures."""
-    decode = worker_pb2_grpc.DecodeServiceStub(channel(info["decode"]))
-    prefill = worker_pb2_grpc.PrefillServiceStub(channel(info["prefill"]))
+    decode = worker_pb2_grpc.DecodeServiceStub(worker_channel(info, "decode"))
+    prefill = worker_pb2_grpc.PrefillServiceStub(worker_channel(info, "prefill"))
     out = {}
     for n in PROMPT_LENS:
         rows = []
@@ -154,8 +167,8 @@ def kv_push_throughput(
 ) -> float:
     """GB/s of KV pushed over gRPC into reservations on the decode worker (no compute in the way), with
     ``concurrency`` requests' transfers in flight at once (as a busy prefill worker has)."""
-    decode = worker_pb2_grpc.DecodeServiceStub(channel(info["decode"]))
-    ch = channel(info["decode"])
+    decode = worker_pb2_grpc.DecodeServiceStub(worker_channel(info, "decode"))
+    ch = worker_channel(info, "decode")
     tokens = 4000
     blocks = tokens // 16
     per_layer = torch.randn(blocks, 16, 4, 64)  # the 60M model's block shape: [bs, kv heads, head dim]
@@ -183,7 +196,7 @@ def link_throughput(info: dict, rounds: int = 3, total_bytes: int = 512 * MiB) -
     """Medians over interleaved rounds (GB/s): KV over gRPC into the decode worker, and a bare gRPC byte
     stream of 4 MiB messages (``DecodeService.ProbeLink``: counted and dropped) between the same two
     processes. Interleaving keeps the noisy machine's swings out of the ratio."""
-    ch = channel(info["decode"])
+    ch = worker_channel(info, "decode")
     probe_link(ch, 64 * MiB)  # warm-up
     bare, kv = [], []
     for _ in range(rounds):
@@ -207,6 +220,7 @@ def main() -> int:
     ap.add_argument("--model", default=str(REPO / "build" / "llama-60m"))
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (2 cores: 1 each)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--tls", action="store_true", help="mutual TLS between the services (pdserve up --tls-dir)")
     args = ap.parse_args()
     if not Path(args.model, "config.json").exists():
         from common.models.tiny import build_tiny
@@ -215,7 +229,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     tune_malloc()  # this process sends KV as a prefill worker would (pdserve serve tunes its workers the same)
     single = single_process(args.model, args.threads)
-    proc, info = start_cluster(args.model, args.threads)
+    proc, info = start_cluster(args.model, args.threads, tls=args.tls)
     try:
         cluster = through_router(info["router"])
         handoff = handoff_breakdown(info)

@@ -8,7 +8,8 @@
 
 With ``Client(address, api_key=KEY)`` every call carries ``authorization: Bearer KEY`` metadata (an API key
 or a JWT: what a router started with ``--api-key-file``, ``PDSERVE_API_KEYS`` or ``--jwt-*`` asks for; a call
-without it fails with ``UNAUTHENTICATED``).
+without it fails with ``UNAUTHENTICATED``). ``Client(address, ca_file=PEM)`` dials with TLS, trusting only a
+router whose certificate that CA signed (a router started with ``--public-tls-cert-file``).
 
 Errors arrive as :class:`grpc.RpcError` with the router's status code and message. Imports no torch.
 """
@@ -94,12 +95,20 @@ def sampling_message(
 
 
 class Client:
-    def __init__(self, address: str, *, timeout_s: float | None = None, api_key: str | None = None) -> None:
-        """``api_key``: sent as ``authorization: Bearer API_KEY`` on every call (None or "": no credential)."""
+    def __init__(
+        self, address: str, *, timeout_s: float | None = None, api_key: str | None = None, ca_file: str = ""
+    ) -> None:
+        """``api_key``: sent as ``authorization: Bearer API_KEY`` on every call (None or "": no credential).
+        ``ca_file``: PEM CA bundle: TLS, trusting only servers it signed ("": plaintext). OSError if unreadable."""
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        self._channel = grpc.insecure_channel(address)
+        if ca_file:
+            with open(ca_file, "rb") as f:
+                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self._channel = grpc.secure_channel(address, credentials)
+        else:
+            self._channel = grpc.insecure_channel(address)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
 
     def __enter__(self) -> Client:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import redis
 
-from tests.tls_certs import TlsFiles, write_test_certs
+from tests.tls_certs import ServerCertFiles, write_test_certs
 
 DEFAULT_REDIS_PORT = 6379
 
@@ -71,7 +71,7 @@ class RedisServer:
         self.password, self.tls = password, tls
         self.port = free_port()
         self._dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
-        self.tls_files: TlsFiles | None = write_test_certs(self._dir) if tls else None
+        self.tls_files: ServerCertFiles | None = write_test_certs(self._dir) if tls else None
         self._proc: subprocess.Popen | None = None
         self._log_file = None
 

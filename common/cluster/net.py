@@ -13,6 +13,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.rpc.tls import TlsFiles, open_channel
+
 POLL_INTERVAL_S = 0.05  # pause between failed probes
 PROBE_TIMEOUT_S = 1.0  # most one probe (connect or RPC) may take
 _AVOIDED_PORTS = frozenset({6379})  # Redis's default: never hand it out, so a developer's Redis is never hit
@@ -54,16 +56,18 @@ def wait_for_tcp(host: str, port: int, timeout_s: float) -> bool:
         _sleep_until_next_probe(deadline)
 
 
-def wait_for_grpc_health(address: str, timeout_s: float, service: str = "") -> bool:
+def wait_for_grpc_health(address: str, timeout_s: float, service: str = "", tls: TlsFiles | None = None) -> bool:
     """True as soon as the ``grpc.health.v1`` ``Check`` at ``address`` (``host:port``) answers SERVING for
-    ``service`` ("" = the server as a whole); False once ``timeout_s`` has passed.
+    ``service`` ("" = the server as a whole); False once ``timeout_s`` has passed. ``tls``: dial with mutual
+    TLS (a worker started with ``--tls-*`` answers nothing else); None: plaintext. A bad TLS file raises
+    ValueError at once.
 
     Polls: an unreachable server, an unknown service, NOT_SERVING or a server that accepts connections and
     never answers all mean "not yet". Blocks the calling thread at most about ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
     request = health_pb2.HealthCheckRequest(service=service)
-    with grpc.insecure_channel(address, options=_PROBE_CHANNEL_OPTIONS) as channel:
+    with open_channel(address, tls, _PROBE_CHANNEL_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             remaining_s = deadline - time.monotonic()

@@ -1,7 +1,11 @@
 """Builds a pdserve gRPC server: the service's servicers plus grpc.health.v1 and server reflection.
 
 Every service answers ``grpc.health.v1.Health/Check`` (overall status under the service name ``""`` and
-under each of its own service names) and server reflection, so ``grpcurl -plaintext ADDR list`` works.
+under each of its own service names) and server reflection, so ``grpcurl -plaintext ADDR list`` works (with
+mutual TLS: ``grpcurl -cacert CA -cert CERT -key KEY ADDR list``).
+
+Plaintext unless given :class:`common.rpc.tls.TlsFiles`: then a server listens only for TLS (requiring a client
+certificate signed by the CA when the files name one) and a channel dials with mutual TLS.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from common.rpc.tls import TlsFiles, open_channel, server_credentials
 
 MAX_MESSAGE_BYTES = 64 << 20  # KV chunks are far smaller; prompts of a million tokens fit
 # Liveness of a peer with open calls: a channel pings every KEEPALIVE_S while calls are open, and a peer that
@@ -57,6 +63,7 @@ def build_server(
     port: int = 0,
     max_workers: int = 32,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    tls: TlsFiles | None = None,
 ) -> tuple[grpc.Server, int, HealthState]:
     """A started-not-yet server bound to ``host:port`` (0 = any free port); returns (server, port, health).
 
@@ -64,7 +71,11 @@ def build_server(
     (e.g. ``pdserve.v1.DecodeService``) for health and reflection. Health starts NOT_SERVING: the service
     flips it once its model is loaded and it is registered. ``interceptors`` wrap every method, health and
     reflection included (e.g. :class:`common.security.grpc_auth.AuthInterceptor`, which leaves health open).
+    ``tls``: the port speaks only TLS with these files (:func:`common.rpc.tls.server_credentials`: with a CA
+    file, a client without a certificate signed by it is refused at the handshake); None: plaintext. Raises
+    ValueError naming a bad TLS file.
     """
+    credentials = server_credentials(tls) if tls is not None else None  # before anything binds: fail fast
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=list(interceptors),
@@ -79,18 +90,23 @@ def build_server(
     state = HealthState(service_names)
     health_pb2_grpc.add_HealthServicer_to_server(state.servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    target = f"{host}:{port}"
+    bound = server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return server, bound, state
 
 
-def channel(address: str) -> grpc.Channel:
+def channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
     """A client channel to another pdserve service, with the same message size limits and keepalive pings (a
-    peer that stops answering fails the channel's calls with UNAVAILABLE within about 2 × KEEPALIVE_S)."""
-    return grpc.insecure_channel(
+    peer that stops answering fails the channel's calls with UNAVAILABLE within about 2 × KEEPALIVE_S).
+
+    ``tls``: mutual TLS with these files (:func:`common.rpc.tls.open_channel`); None: plaintext. Raises
+    ValueError naming a bad TLS file."""
+    return open_channel(
         address,
-        options=[
+        tls,
+        [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             *_CLIENT_KEEPALIVE,

@@ -1,7 +1,7 @@
 """``pdserve up``: the whole cluster as local processes: Redis, prefill and decode workers, the router.
 
     pdserve up [--model DIR] [--prefill N] [--decode M] [--redis-url URL] [--port P] [--http-port H]
-               [--api-key-file FILE]
+               [--api-key-file FILE] [--tls-dir DIR]
 
 Without ``--model`` it builds (once) and serves the embedded tiny model. Without ``--redis-url`` it starts
 a ``redis-server`` on a free port. Every service gets free ports (the router ``--port`` and ``--http-port``
@@ -17,6 +17,15 @@ With ``--api-key-file FILE`` the router (its gRPC API and HTTP front, all but he
 ``/metrics``) and the workers' ``/admin/warmup`` need one of its keys; ``PDSERVE_API_KEYS`` in ``up``'s
 environment reaches every service too (children inherit it). Readiness is checked through the open health
 checks, so it works either way.
+
+With ``--tls-dir DIR`` every gRPC connection between services uses mutual TLS: ``up`` writes a throwaway CA
+(``DIR/ca.pem``, its key is never written) and one certificate and key per service (``DIR/router.pem``,
+``DIR/prefill-0.pem``, ..., ``DIR/NAME.key``; SAN 127.0.0.1 and localhost) plus ``DIR/client.pem`` /
+``DIR/client.key`` for tools (``up``'s own health probes, ``grpcurl -cacert DIR/ca.pem -cert DIR/client.pem
+-key DIR/client.key``), and passes ``--tls-cert-file``, ``--tls-key-file``, ``--tls-ca-file`` to each
+service. The workers' gRPC ports then refuse any peer without a certificate from that CA; the router's
+public API stays plaintext. The ready line then ends with `` tls=DIR``. Production should use real
+certificates (cert-manager in Kubernetes): see docs/operations.md.
 
 Ctrl-C or SIGTERM stops everything it started (router, workers, Redis, in that order) and exits 0; no
 process is left behind, even if ``up`` itself is killed (children get SIGTERM when their parent dies). A
@@ -51,6 +60,9 @@ def add_parser(subparsers) -> None:
                    help="prompts shorter than this are prefilled on the decode worker (default 0: never)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="API keys, one per line: the router and the workers' admin routes then require one")
+    p.add_argument("--tls-dir", default=None, metavar="DIR",
+                   help="mutual TLS between the services with a throwaway CA and certificates written into DIR "
+                        "(a local test setup: production should use real certificates, e.g. cert-manager)")
     p.add_argument("--log-dir", default=None, help="where each service writes its log (default: a temp dir)")
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every worker, e.g. --worker-arg=--kv-cache-memory=1e9 (repeatable)")
@@ -73,6 +85,9 @@ def up(args: argparse.Namespace) -> int:
         ApiKeys.load(key_file=args.api_key_file, env={})
         auth_args = ["--api-key-file", os.path.abspath(args.api_key_file)]
     model = args.model or str(_tiny_model())
+    worker_names = [f"{role}-{i}" for role, count in (("decode", args.decode), ("prefill", args.prefill))
+                    for i in range(count)]  # fmt: skip
+    tls_args, client_tls = _write_tls(args.tls_dir, worker_names) if args.tls_dir else ({}, None)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -90,7 +105,7 @@ def up(args: argparse.Namespace) -> int:
             for i in range(count):
                 name, port = f"{role}-{i}", free_port()
                 argv = [*py, role, "--model", model, "--port", str(port), "--redis-url", redis_url,
-                        "--worker-id", name, *auth_args, *args.worker_arg, *extra]
+                        "--worker-id", name, *auth_args, *tls_args.get(name, []), *args.worker_arg, *extra]
                 if role == "decode":  # its shm socket lives with the logs, even if the worker is killed
                     argv += ["--kv-shm-dir", str(log_dir / "kv")]
                 sup.spawn(name, argv, log_path=log_dir / f"{name}.log")
@@ -98,13 +113,14 @@ def up(args: argparse.Namespace) -> int:
         router_port, http_port = args.port or free_port(), args.http_port or free_port()
         router_argv = [*py, "router", "--model", model, "--port", str(router_port), "--http-port", str(http_port),
                        "--redis-url", redis_url, "--local-prefill-threshold", str(args.local_prefill_threshold),
-                       *auth_args, *args.router_arg]
+                       *auth_args, *tls_args.get("router", []), *args.router_arg]
         sup.spawn("router", router_argv, log_path=log_dir / "router.log")
         endpoints["router"] = f"127.0.0.1:{router_port}"
 
         deadline = time.monotonic() + READY_TIMEOUT_S
         for name, address in endpoints.items():
-            while not wait_for_grpc_health(address, timeout_s=1.0):
+            probe_tls = None if name == "router" else client_tls  # the router's public port stays plaintext
+            while not wait_for_grpc_health(address, timeout_s=1.0, tls=probe_tls):
                 exited = sup.first_exited()
                 if exited is not None or stop.is_set() or time.monotonic() > deadline:
                     why = "stopped" if stop.is_set() else "timeout"
@@ -117,7 +133,8 @@ def up(args: argparse.Namespace) -> int:
             print("pdserve up: the workers did not all appear in the registry", file=sys.stderr)
             return 1
         print(f"pdserve ready: {endpoints['router']} prefill={args.prefill} decode={args.decode} "
-              f"redis={redis_url} logs={log_dir} http=127.0.0.1:{http_port}", flush=True)
+              f"redis={redis_url} logs={log_dir} http=127.0.0.1:{http_port}"
+              + (f" tls={os.path.abspath(args.tls_dir)}" if args.tls_dir else ""), flush=True)
         reported: set[str] = set()
         while not stop.wait(0.5):
             for proc in sup.processes:
@@ -125,6 +142,18 @@ def up(args: argparse.Namespace) -> int:
                     reported.add(proc.name)
                     print(f"pdserve up: {proc.exit_report()}", file=sys.stderr, flush=True)
     return 0
+
+
+def _write_tls(directory: str, worker_names: list[str]):
+    """A throwaway CA and certificates in ``directory`` (:func:`common.security.certs.write_service_certs`):
+    returns each service's ``--tls-*`` flags by name, and the files of ``client`` (for up's own probes)."""
+    from common.security.certs import write_service_certs
+
+    files = write_service_certs(directory, ["router", *worker_names, "client"])
+    flags = {name: ["--tls-cert-file", f.cert_file, "--tls-key-file", f.key_file, "--tls-ca-file", f.ca_file]
+             for name, f in files.items() if name != "client"}  # fmt: skip
+    print(f"pdserve up: mutual TLS between services, throwaway certificates in {directory}", file=sys.stderr)
+    return flags, files["client"]
 
 
 def _wait_router_sees_workers(redis_url: str, count: int, deadline: float) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from common.engine.engine_loop import EngineLoop
 from common.engine.identity import ModelIdentity
+from common.rpc.tls import TlsFiles
 from pdserve.v1 import worker_pb2_grpc
 from services.prefill.servicer import PrefillServicer
 from services.worker.config import WorkerConfig
@@ -13,6 +14,8 @@ SERVICE_NAME = "pdserve.v1.PrefillService"
 
 
 def make_parts(config: WorkerConfig):
+    kv_tls = TlsFiles.from_config(config)  # the KV channels to decode workers present this worker's certificate
+
     def make(loop: EngineLoop, identity: ModelIdentity, obs: WorkerObs) -> WorkerParts:
         servicer = PrefillServicer(
             loop,
@@ -28,6 +31,7 @@ def make_parts(config: WorkerConfig):
             tracing=obs.tracing,
             max_pending_requests=config.max_pending_requests,
             draining=obs.draining,
+            kv_tls=kv_tls,
         )
         return WorkerParts(
             add_to_server=lambda server: worker_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),

@@ -34,6 +34,7 @@ from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing, call_scope
 from common.rpc import convert
 from common.rpc.server import channel
+from common.rpc.tls import TlsFiles
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         tracing: Tracing | None = None,
         max_pending_requests: int = 256,
         draining: Callable[[], bool] = lambda: False,
+        kv_tls: TlsFiles | None = None,
     ) -> None:
         """``kv_transport``: "grpc", or "shm" to use shared memory with decode workers on this host.
-        ``draining``: True once the worker is stopping; new prefills are then refused (running ones finish)."""
+        ``draining``: True once the worker is stopping; new prefills are then refused (running ones finish).
+        ``kv_tls``: the KV channels to decode workers use mutual TLS with these files (None: plaintext)."""
         self.loop = loop
         self.identity = identity
         self.generation_config = generation_config
@@ -74,6 +77,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.tracing = tracing or Tracing("pdserve-prefill", environ={})
         self.max_pending_requests = max_pending_requests
         self.draining = draining
+        self.kv_tls = kv_tls
         self.host = socket.gethostname()
         self._senders: dict[str, GrpcKVSender | _ConnectorRequest] = {}
         self._channels: dict[str, grpc.Channel] = {}
@@ -89,7 +93,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = channel(address)
+                self._channels[address] = channel(address, self.kv_tls)
             return self._channels[address]
 
     @property

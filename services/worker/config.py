@@ -79,6 +79,19 @@ class WorkerConfig:
     )
     jwt_issuer: str = field(default="", metadata=_help("JWTs must have this 'iss' (default: not checked)"))
     jwt_audience: str = field(default="", metadata=_help("JWTs must have this 'aud' (default: not checked)"))
+    tls_cert_file: str = field(
+        default="", metadata=_help("mutual TLS between services: this service's PEM certificate, presented as server "
+                                   "and as client (needs --tls-key-file and --tls-ca-file; default: plaintext)")
+    )
+    tls_key_file: str = field(default="", metadata=_help("mutual TLS: the certificate's PEM private key (unencrypted)"))
+    tls_ca_file: str = field(
+        default="", metadata=_help("mutual TLS: PEM bundle of the CA that signs every service's certificate; "
+                                   "the gRPC port then refuses peers without a certificate signed by it")
+    )
+    tls_server_name: str = field(
+        default="", metadata=_help("mutual TLS: name the workers' certificates must carry, checked instead of the "
+                                   "host dialled (for workers advertised by IP address; default: that host)")
+    )
     test_corrupt_kv_chunk: int | None = field(
         default=None, metadata=_help("TEST ONLY: prefill flips a byte of this KV chunk (seq) of every request")
     )

@@ -35,6 +35,7 @@ from common.http.server import HttpFront
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing
 from common.rpc.server import build_server
+from common.rpc.tls import TlsFiles
 from common.security.auth import Authenticator
 from common.security.kv_crypto import KVCipher
 from common.state.prefix_index import PrefixIndex, PrefixPublisher
@@ -111,10 +112,14 @@ def serve_worker(
     ``on_ready(address, metrics_address)`` is called once the worker serves and is registered (tests use it).
     Besides gRPC, the worker serves ``/metrics``, ``/healthz`` and ``/readyz`` over HTTP on
     ``config.metrics_port`` (``metrics_address``), and ``POST /admin/warmup``, which needs an API key or JWT
-    when ``--api-key-file``/``PDSERVE_API_KEYS``/``--jwt-*`` are set (:mod:`common.security.auth`).
+    when ``--api-key-file``/``PDSERVE_API_KEYS``/``--jwt-*`` are set (:mod:`common.security.auth`). With
+    ``--tls-*`` the gRPC port speaks only mutual TLS (:mod:`common.rpc.tls`); the HTTP port stays plaintext.
     """
     stop_event = stop_event or threading.Event()
     authenticator = Authenticator.from_config(config)  # before the model loads: a bad key file fails fast
+    tls = TlsFiles.from_config(config)  # None: plaintext gRPC
+    if tls is not None:
+        tls.load()  # before the model loads: a bad certificate or key fails fast (ValueError naming the file)
     engine = build_engine(config)
     identity = ModelIdentity.of_engine(engine)
     attach_kv_tiers(engine, identity, config)
@@ -123,7 +128,8 @@ def serve_worker(
     loop = EngineLoop(engine, name=f"{role}-engine", on_request_finished=metrics.observe_request).start()
     tracing = Tracing(f"pdserve-{role}", config.otlp_endpoint)
     parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
-    server, port, health = build_server(parts.add_to_server, parts.service_names, host=config.host, port=config.port)
+    server, port, health = build_server(parts.add_to_server, parts.service_names, host=config.host, port=config.port,
+                                        tls=tls)
     address = f"{config.advertise_host or config.host}:{port}"
     worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     started_at = time.time()
@@ -180,8 +186,8 @@ def serve_worker(
         log.warning("could not register in %s; retrying in the background", describe_error(exc, config.redis_url))
     heartbeater.start()
     health.set_serving(True)
-    log.info("%s worker %s serving on %s, metrics on %s (model %s)", role, worker_id, address, metrics_address,
-             identity.model_fingerprint[:12])
+    log.info("%s worker %s serving on %s (%s), metrics on %s (model %s)", role, worker_id, address,
+             "mutual TLS" if tls else "plaintext", metrics_address, identity.model_fingerprint[:12])
     if on_ready is not None:
         on_ready(address, metrics_address)
 
