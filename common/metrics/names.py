@@ -9,7 +9,8 @@ Where a figure lives:
 - the router (user-facing; only it sees routing, queueing, KV transfer and relaying): TTFT, inter-token
   latency, per-request TPOT, end-to-end latency, requests running, prompt and generation tokens delivered,
   finished requests by reason, failed requests by status, the repetition of each response, worker counts
-  by role and state, pool-wide queue depth and KV usage from the registry, Redis reachability;
+  by role and state, pool-wide queue depth and KV usage from the registry, Redis reachability, requests
+  refused by rate limits;
 - each worker (engine-side): requests running and waiting, KV usage, prefix cache queries and hits, prompt
   and generation tokens computed, preemptions, queue, prefill and decode time per request, KV transfer
   seconds and bytes (``direction`` = ``sent`` on prefill, ``received`` on decode), encrypted shared-tier KV
@@ -84,11 +85,14 @@ POOL_REQUESTS_RUNNING = _m("pool_num_requests_running", "gauge",
 POOL_KV_USAGE = _m("pool_kv_cache_usage_perc", "gauge",
                    "KV blocks used / total over a role's workers (from the registry), 0-1.", ("role",))
 REDIS_UP = _m("redis_up", "gauge", "1 if the last Redis operation of this service succeeded, else 0.")
+RATE_LIMITED_REQUESTS = _m("rate_limited_requests", "counter",
+                           "Requests refused by a caller's rate limit (RESOURCE_EXHAUSTED / 429), by the budget "
+                           "that refused them.", ("limit",))
 
 ROUTER_METRICS = (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY,
                   ROUTER_REQUESTS_RUNNING, REQUESTS_RECEIVED, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS,
                   REQUEST_FAILURES, HANDOFF_RETRIES, REQUEST_MIGRATIONS, REPETITION, WORKERS, POOL_REQUESTS_WAITING,
-                  POOL_REQUESTS_RUNNING, POOL_KV_USAGE, REDIS_UP)  # fmt: skip
+                  POOL_REQUESTS_RUNNING, POOL_KV_USAGE, REDIS_UP, RATE_LIMITED_REQUESTS)  # fmt: skip
 
 # -- workers ------------------------------------------------------------------------------------------------
 

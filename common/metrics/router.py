@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from common.metrics import names as n
 from common.metrics.registry import build
 from common.metrics.repetition import repeated_ngram_share
+from common.state.rate_limit import LIMIT_NAMES
 from common.state.registry import WORKER_ROLES, WORKER_STATES, WorkerInfo
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -62,11 +63,14 @@ class RouterMetrics:
         self.success, self.failures = m[n.REQUEST_SUCCESS.name], m[n.REQUEST_FAILURES.name]
         self.retries, self.repetition = m[n.HANDOFF_RETRIES.name], m[n.REPETITION.name]
         self.migrations = m[n.REQUEST_MIGRATIONS.name]
+        self.rate_limited = m[n.RATE_LIMITED_REQUESTS.name]
         for reason in FINISH_REASONS:  # labelled series appear once touched: touch the usual ones
             self.success.labels(reason)
         for code in FAILURE_CODES:
             self.failures.labels(code)
             self.retries.labels(code)
+        for limit in LIMIT_NAMES:
+            self.rate_limited.labels(limit)
 
     def start_request(self, num_prompt_tokens: int) -> RequestTimer:
         """A request arrived (valid or not, it counts toward the request rate)."""

@@ -16,6 +16,8 @@ Key                                Type   TTL                                   
                                           every ``put`` and ``append_tokens``         → the router
 ``{prefix}prefix:{worker_id}``     set    the registry's ``ttl_s``, restarted by      the worker
                                           every publish                              → the router
+``{prefix}ratelimit:{principal}``  hash   until its budgets are full again (at most   the routers
+                                          a minute), set by every charge             → the routers
 =================================  =====  ==========================================  ======================
 
 Field layouts (all field values are byte strings; the codecs live in :mod:`common.state.records`):
@@ -29,9 +31,15 @@ Field layouts (all field values are byte strings; the codecs live in :mod:`commo
   token ids packed as little-endian uint32 (4 bytes per token, appended atomically in a Lua script).
 - ``prefix:{worker_id}``: the names (16 raw bytes each, :mod:`common.engine.prefix_cache`) of the KV blocks
   the worker's prefix cache holds, in use or cached; the router's prefix index.
+- ``ratelimit:{principal}``: one caller's rate-limit state (:mod:`common.state.rate_limit`), fields
+  ``requests_tat_ms`` and ``tokens_tat_ms``, each the theoretical arrival time of its GCRA budget in Redis-clock
+  unix milliseconds (a float). ``principal`` is the caller (``key:<12 hex>``, a JWT ``sub``, or ``anonymous``)
+  percent-encoded, so any ``sub`` makes a key without whitespace.
 """
 
 from __future__ import annotations
+
+from urllib.parse import quote
 
 DEFAULT_PREFIX = "pdserve:"
 
@@ -78,3 +86,11 @@ def session_key(session_id: str, *, prefix: str = DEFAULT_PREFIX) -> str:
 def prefix_index_key(worker_id: str, *, prefix: str = DEFAULT_PREFIX) -> str:
     """Set of the block names one worker's prefix cache holds."""
     return f"{check_prefix(prefix)}prefix:{_check_id('worker_id', worker_id)}"
+
+
+def rate_limit_key(principal: str, *, prefix: str = DEFAULT_PREFIX) -> str:
+    """Hash of one caller's rate-limit budgets; gone once they are full again. ``principal``: any non-empty
+    string (percent-encoded here, ``:`` kept: ``key:0123456789ab`` stays readable)."""
+    if not isinstance(principal, str) or not principal:
+        raise ValueError(f"principal must be a non-empty string, got {principal!r}")
+    return f"{check_prefix(prefix)}ratelimit:{quote(principal, safe=':')}"

@@ -57,3 +57,35 @@ class RouterConfig:
     )
     jwt_issuer: str = field(default="", metadata=_help("JWTs must have this 'iss' (default: not checked)"))
     jwt_audience: str = field(default="", metadata=_help("JWTs must have this 'aud' (default: not checked)"))
+    rate_limit_requests_per_min: int = field(
+        default=0, metadata=_help("requests each caller (API key, JWT subject; all callers as one without auth) may "
+                                  "send per minute, shared by every router through Redis (0: no limit)")
+    )
+    rate_limit_tokens_per_min: int = field(
+        default=0, metadata=_help("tokens each caller may use per minute: prompt + max_tokens reserved at "
+                                  "admission, the ungenerated part given back at the end (0: no limit)")
+    )
+    rate_limit_file: str = field(
+        default="", metadata=_help("YAML of per-caller budgets, principal -> {requests_per_min, tokens_per_min}, "
+                                   "overriding the two flags for those callers")
+    )
+    tls_cert_file: str = field(
+        default="", metadata=_help("mutual TLS to the workers: the router's PEM certificate, presented on its calls "
+                                   "to them (needs --tls-key-file and --tls-ca-file; default: plaintext)")
+    )
+    tls_key_file: str = field(default="", metadata=_help("mutual TLS: the certificate's PEM private key (unencrypted)"))
+    tls_ca_file: str = field(
+        default="", metadata=_help("mutual TLS: PEM bundle of the CA that signs every service's certificate; the "
+                                   "router trusts only workers whose certificate it signed")
+    )
+    tls_server_name: str = field(
+        default="", metadata=_help("mutual TLS: name the workers' certificates must carry, checked instead of the "
+                                   "host dialled (for workers advertised by IP address; default: that host)")
+    )
+    public_tls_cert_file: str = field(
+        default="", metadata=_help("TLS on the public gRPC API: PEM certificate (with --public-tls-key-file; clients "
+                                   "need no certificate; default: plaintext). The HTTP front stays plaintext")
+    )
+    public_tls_key_file: str = field(
+        default="", metadata=_help("TLS on the public gRPC API: the certificate's PEM private key (unencrypted)")
+    )

@@ -6,6 +6,7 @@ attributes (``config``, ``metrics``, ``tracker``, ``view``, ``tracing``, ``_chan
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import grpc
@@ -91,6 +92,9 @@ class DecodeStreamMixin:
                     log.warning("request %s moved to decode worker %s after %d tokens: %s", rid, d_id,
                                 len(timer.token_ids), exc.details())
                     self._record_update(rid, decode_worker_id=d_id, num_migrations=migrations)
+        except GeneratorExit:  # the client left: the cancelled Decode may never have reached the worker
+            self._release_soon(decode_stub, rid)
+            raise
         finally:
             for worker_id in held:
                 self.tracker.release(worker_id)
@@ -133,6 +137,11 @@ class DecodeStreamMixin:
             usage=types_pb2.Usage(prompt_tokens=num_prompt, completion_tokens=num_emitted),
             prefill_worker_id=prefill_id, decode_worker_id=decode_id,
         )  # fmt: skip
+
+    def _release_soon(self, decode_stub, rid: str) -> None:
+        """:meth:`_release` on a thread of its own (from a closing stream, whose thread must not wait). A Decode
+        call cancelled before the worker started it leaves the reservation to its admission window (10 s)."""
+        threading.Thread(target=self._release, args=(decode_stub, rid), name="release-kv", daemon=True).start()
 
     def _release(self, decode_stub, rid: str) -> bool:
         """Free a request's reservation (or stop its decoding) on a decode worker; False if it did not answer."""

@@ -9,6 +9,11 @@ Streaming (``"stream": true``): server-sent events, one ``data: {chunk}`` per me
 503, 504 ...), one after it an ``data: {"error": ...}`` event. A client that disconnects (or closes the
 WebSocket) cancels the request on every worker. ``X-Request-Timeout: SECONDS`` bounds the whole request.
 
+Rate limits (:mod:`services.router.rate_limits`): the principal the HTTP front authenticated rides on the
+call's context, so HTTP and gRPC callers spend the same budgets. A caller over its limit gets 429 with
+``Retry-After`` and ``"type": "requests"|"tokens", "code": "rate_limit_exceeded"``; a saturated cluster's 429
+has ``"type": "rate_limit_error"``.
+
 WebSocket protocol: the client sends one text message, a ``/v1/completions`` body (``model`` optional);
 the server sends ``{"type": "token", "data": {"text", "token_ids"}, "timestamp"}`` per message, then
 ``{"type": "done", "data": {"finish_reason", "usage"}, "timestamp"}`` (or ``{"type": "error", "data":
@@ -27,10 +32,12 @@ from http.server import BaseHTTPRequestHandler
 
 from common.http import websocket
 from common.http.server import HttpFront, send_json
+from common.security.auth import principal_of
 from services.router import openai_requests as oareq
 from services.router import openai_responses as out
 from services.router.http_call import CallAborted, DisconnectWatcher, HttpCallContext
-from services.router.openai_protocol import OpenAIError, error_from_grpc
+from services.router.openai_protocol import OpenAIError, error_from_grpc, rate_limit_error
+from services.router.rate_limits import RATE_LIMIT_KEY
 from services.router.servicer import RETRY_AFTER_MS_KEY, RouterServicer
 
 log = logging.getLogger(__name__)
@@ -69,7 +76,7 @@ class RouterHttpApi:
                 parsed = oareq.parse_chat(body, served_model=self.served_model, tokenizer=self.tokenizer)
             else:
                 parsed = oareq.parse_completion(body, served_model=self.served_model)
-            ctx = HttpCallContext(request.headers)
+            ctx = HttpCallContext(request.headers, principal_of(request))
         except OpenAIError as exc:
             return _send_error(request, exc)
         except ValueError as exc:
@@ -101,7 +108,7 @@ class RouterHttpApi:
                 if r.HasField("usage"):
                     usage = out.usage(r.usage.prompt_tokens, r.usage.completion_tokens)
         except CallAborted as exc:
-            return _send_error(request, error_from_grpc(exc.code.name, exc.details), exc.trailing)
+            return _send_error(request, _error_of(exc), exc.trailing)
         lp = self._logprobs(kind, parsed, logprobs)
         if kind == "chat":
             body = out.chat_response(rid, created, self.served_model, "".join(text), finish, usage, logprobs=lp)
@@ -114,7 +121,7 @@ class RouterHttpApi:
         try:
             first = next(responses, None)  # errors before the first token are plain HTTP errors
         except CallAborted as exc:
-            return _send_error(request, error_from_grpc(exc.code.name, exc.details), exc.trailing)
+            return _send_error(request, _error_of(exc), exc.trailing)
         stream = _EventStream(request)
         if kind == "chat":
             stream.send(out.chat_chunk(rid, created, self.served_model, {"role": "assistant", "content": ""}, None))
@@ -137,7 +144,7 @@ class RouterHttpApi:
         except CallAborted as exc:
             if ctx.cancelled:
                 raise ClientGone() from exc
-            stream.send(error_from_grpc(exc.code.name, exc.details).body())
+            stream.send(_error_of(exc).body())
         else:
             if parsed.include_usage and usage is not None:
                 stream.send(out.usage_chunk(kind, rid, created, self.served_model, usage))
@@ -161,12 +168,12 @@ class RouterHttpApi:
             message = ws.recv(timeout_s=60.0)
             if message is None:
                 return
-            body = json.loads(message)
+            body = oareq.parse_json(message, "the request message")
             if isinstance(body, dict):
                 body.setdefault("model", self.served_model)
             parsed = oareq.parse_completion(body, served_model=self.served_model)
-            ctx = HttpCallContext({})
-        except (TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            ctx = HttpCallContext({}, principal_of(request))
+        except TimeoutError as exc:
             return _ws_error(ws, OpenAIError(400, f"expected one JSON request message: {exc}",
                                                 "invalid_request_error"))
         except OpenAIError as exc:
@@ -192,7 +199,7 @@ class RouterHttpApi:
             ws.close(1000)
         except CallAborted as exc:
             if not ctx.cancelled:
-                _ws_error(ws, error_from_grpc(exc.code.name, exc.details))
+                _ws_error(ws, _error_of(exc))
         except websocket.WebSocketError:
             ctx.cancel()
         finally:
@@ -240,18 +247,24 @@ def _write_or_gone(fn) -> None:
 
 
 def _read_json(request: BaseHTTPRequestHandler):
+    """The body's JSON value. A body refused unread (no or a bad Content-Length, over the limit) also closes the
+    connection: its bytes must not be parsed as the next request."""
     length = request.headers.get("Content-Length")
     if length is None or not length.isdigit():
+        request.close_connection = True
         raise OpenAIError(411 if length is None else 400, "a JSON body with Content-Length is required",
                              "invalid_request_error")
     if int(length) > MAX_BODY_BYTES:
+        request.close_connection = True
         raise OpenAIError(413, f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}",
                              "invalid_request_error")
-    raw = request.rfile.read(int(length))
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OpenAIError(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from exc
+    return oareq.parse_json(request.rfile.read(int(length)))
+
+
+def _error_of(exc: CallAborted) -> OpenAIError:
+    """The OpenAI error for a failed router call: a rate limit's (trailing ``rate-limit``), else by its status."""
+    limit = exc.trailing.get(RATE_LIMIT_KEY)
+    return rate_limit_error(limit, exc.details) if limit else error_from_grpc(exc.code.name, exc.details)
 
 
 def _send_error(request: BaseHTTPRequestHandler, error: OpenAIError, trailing: dict | None = None) -> None:
@@ -262,6 +275,8 @@ def _send_error(request: BaseHTTPRequestHandler, error: OpenAIError, trailing: d
     retry_ms = (trailing or {}).get(RETRY_AFTER_MS_KEY)
     if retry_ms is not None:
         request.send_header("Retry-After", str(max(1, math.ceil(int(retry_ms) / 1000))))
+    if request.close_connection:
+        request.send_header("Connection", "close")
     request.end_headers()
     _write_or_gone(lambda: request.wfile.write(body))
 

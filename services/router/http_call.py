@@ -8,7 +8,9 @@ context:
 - ``add_callback(fn)``: ``fn`` runs once when the call ends: the client went away (:meth:`cancel`, called by
   :class:`DisconnectWatcher` or a failed write) or the HTTP layer finished (:meth:`done`);
 - ``time_remaining()``: from the ``X-Request-Timeout`` header (seconds), else None (the router's default);
-- ``invocation_metadata()``: the HTTP headers a trace continues from (``traceparent``, ``tracestate``).
+- ``invocation_metadata()``: the HTTP headers a trace continues from (``traceparent``, ``tracestate``);
+- the caller's principal, as the HTTP front authenticated it, under ``auth_principal`` like a gRPC context's
+  (:func:`common.security.auth.principal_of` reads it; None when auth is off).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Callable, Mapping
 
 import grpc
 
+from common.security.auth import PRINCIPAL_ATTR
+
 TIMEOUT_HEADER = "X-Request-Timeout"
 
 
@@ -31,8 +35,10 @@ class CallAborted(Exception):
 
 
 class HttpCallContext:
-    def __init__(self, headers: Mapping[str, str]) -> None:
-        """``headers``: the HTTP request's (``X-Request-Timeout``: ValueError if not a positive number)."""
+    def __init__(self, headers: Mapping[str, str], principal: str | None = None) -> None:
+        """``headers``: the HTTP request's (``X-Request-Timeout``: ValueError if not a positive number).
+        ``principal``: who calls (``principal_of(request)`` of the HTTP request; None: auth off)."""
+        setattr(self, PRINCIPAL_ATTR, principal)
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._ended = False

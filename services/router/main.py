@@ -12,6 +12,8 @@ from common.http.server import HttpFront
 from common.metrics.router import RouterMetrics
 from common.obs import Tracing
 from common.rpc.server import build_server
+from common.rpc.tls import TlsFiles
+from common.rpc.unparsable import RejectUnparsable
 from common.security.auth import Authenticator
 from common.security.grpc_auth import AuthInterceptor
 from common.state.prefix_index import PrefixIndex
@@ -21,6 +23,7 @@ from common.state.registry import WORKER_ROLES, WorkerRegistry
 from pdserve.v1 import generate_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.http_api import RouterHttpApi
+from services.router.rate_limits import RouterRateLimits
 from services.router.registry_view import RegistryView
 from services.router.servicer import ModelInfo, RouterServicer
 
@@ -65,11 +68,17 @@ def run(
     """Serve until SIGTERM/SIGINT (or ``stop_event``). ``on_ready(address, http_address)`` is called once the
     gRPC API and the HTTP front (OpenAI API, WebSocket stream, ``/metrics``, ``/healthz``, ``/readyz``) serve.
     With API keys or JWTs configured (:mod:`common.security.auth`), both need a credential except gRPC health
-    checks, ``/healthz``, ``/readyz`` and ``/metrics``."""
+    checks, ``/healthz``, ``/readyz`` and ``/metrics``. With ``--tls-*`` its calls to the workers use mutual TLS;
+    with ``--public-tls-*`` the public gRPC API speaks only TLS (:mod:`common.rpc.tls`)."""
     stop_event = stop_event or threading.Event()
     authenticator = Authenticator.from_config(config)  # None: auth off, every front open
     if authenticator is not None:
         log.info("authentication on: %s (open: gRPC health, /healthz, /readyz, /metrics)", authenticator.describe())
+    worker_tls = TlsFiles.from_config(config)  # None: plaintext channels to the workers
+    public_tls = TlsFiles.from_config(config, prefix="public_tls", mutual=False)  # None: plaintext public API
+    for tls in (worker_tls, public_tls):
+        if tls is not None:
+            tls.load()  # before the tokenizer loads: a bad certificate or key fails fast (ValueError naming it)
     model = load_model_info(config)
     redis = connect(config.redis_url)
     view = RegistryView(WorkerRegistry(redis, prefix=config.redis_prefix), refresh_s=config.registry_refresh_s,
@@ -80,11 +89,17 @@ def run(
     tracing = Tracing("pdserve-router", config.otlp_endpoint)
     sessions = SessionStore(redis, prefix=config.redis_prefix, ttl_s=config.session_ttl_s)
     index = PrefixIndex(redis, prefix=config.redis_prefix)
-    servicer = RouterServicer(model, view, records, config, metrics, tracing, sessions, index)
+    rate_limits = RouterRateLimits.from_config(config, redis)  # None: no limit set, no Redis call for them
+    if rate_limits is not None:
+        log.info("rate limits on: %d requests and %d tokens per minute per caller (0: none), %d caller(s) set "
+                 "by --rate-limit-file", rate_limits.default.requests_per_min, rate_limits.default.tokens_per_min,
+                 len(rate_limits.per_principal))
+    servicer = RouterServicer(model, view, records, config, metrics, tracing, sessions, index, worker_tls=worker_tls,
+                              rate_limits=rate_limits)
     server, port, health = build_server(
         lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s),
         [SERVICE_NAME], host=config.host, port=config.port, max_workers=64,
-        interceptors=[AuthInterceptor(authenticator)] if authenticator else (),
+        interceptors=[*([AuthInterceptor(authenticator)] if authenticator else []), RejectUnparsable()], tls=public_tls,
     )  # fmt: skip
 
     def not_ready() -> list[str]:
@@ -105,7 +120,9 @@ def run(
     server.start()
     health.set_serving(True)
     address = f"{config.host}:{port}"
-    log.info("router serving on %s, HTTP on %s (model %s)", address, http.address, config.model)
+    log.info("router serving on %s (%s), HTTP on %s (model %s; workers over %s)", address,
+             "TLS" if public_tls else "plaintext", http.address, config.model,
+             "mutual TLS" if worker_tls else "plaintext")
     if on_ready is not None:
         on_ready(address, http.address)
     if threading.current_thread() is threading.main_thread():

@@ -2,7 +2,8 @@
 
 Life cycle of a request at the router (every stage has a deadline; it ends in a result or an error):
 
-1. validate and tokenize (INVALID_ARGUMENT naming the bad value);
+1. validate and tokenize (INVALID_ARGUMENT naming the bad value), then charge the caller's rate limits
+   (:mod:`services.router.rate_limits`; RESOURCE_EXHAUSTED with a retry hint when over one);
 2. pick a decode worker and reserve KV blocks there under a lease (RESOURCE_EXHAUSTED → the next one);
 3. pick a prefill worker and ``Prefill`` with the decode worker as KV target: it streams the KV there and
    answers with the first token, which goes to the client at once;
@@ -27,10 +28,13 @@ from dataclasses import dataclass
 import grpc
 
 from common.engine.prefix_cache import block_hashes
+from common.kv_transfer.wire import MAX_REQUEST_ID_BYTES
 from common.metrics.router import RequestTimer, RouterMetrics
 from common.obs import Tracing, call_scope, trace_id_of
 from common.rpc import convert
 from common.rpc.server import channel
+from common.rpc.tls import TlsFiles
+from common.security.auth import principal_of
 from common.state.prefix_index import PrefixIndex
 from common.state.records import RequestStore, SessionRecord, SessionStore
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
@@ -38,6 +42,7 @@ from services.router.config import RouterConfig
 from services.router.decode_stream import DecodeStreamMixin
 from services.router.errors import HandoffError
 from services.router.policy import Choice, LoadTracker, pick_decode, pick_prefill, pick_prefill_cached
+from services.router.rate_limits import RATE_LIMIT_KEY, Charge, RateLimited, RouterRateLimits
 from services.router.registry_view import RegistryView
 from services.router.request_records import RecordsMixin
 
@@ -73,12 +78,18 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         tracing: Tracing,
         sessions: SessionStore,
         prefix_index: PrefixIndex | None = None,
+        worker_tls: TlsFiles | None = None,
+        rate_limits: RouterRateLimits | None = None,
     ) -> None:
+        """``worker_tls``: the channels to the workers use mutual TLS with these files (None: plaintext).
+        ``rate_limits``: the callers' budgets, charged before any worker is touched (None: no limit)."""
         self.model = model
         self.view = view
         self.records = records
         self.sessions = sessions
         self.prefix_index = prefix_index
+        self.worker_tls = worker_tls
+        self.rate_limits = rate_limits
         self.config = config
         self.metrics = metrics
         self.tracing = tracing
@@ -88,7 +99,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
     def _channel(self, address: str) -> grpc.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = channel(address)
+            ch = self._channels[address] = channel(address, self.worker_tls)
         return ch
 
     # -- validation ---------------------------------------------------------------------------------------
@@ -120,6 +131,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
 
     def _generate(self, rid: str, request, context, trace_id: str):
         try:
+            _check_request_id(request.request_id)
             prompt_ids = self._prompt_ids(request)
             sampling = convert.sampling_from_proto(request.sampling, self.model.generation_config,
                                                    self.config.default_max_tokens)
@@ -127,10 +139,12 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         except ValueError as exc:
             self.metrics.start_request(0).fail(grpc.StatusCode.INVALID_ARGUMENT.name)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        charge = self._admit(context, prompt_ids, sampling)
         timer = self.metrics.start_request(len(prompt_ids))
         try:
-            remaining = context.time_remaining()  # ~9e18 when the client set no deadline
-            timeout_s = min(remaining or self.config.request_timeout_s, self.config.request_timeout_s)
+            remaining = context.time_remaining()  # ~9e18 (gRPC) or None (HTTP) when the client set no deadline
+            timeout_s = min(self.config.request_timeout_s if remaining is None else remaining,
+                            self.config.request_timeout_s)  # 0 is a deadline already past, not "none"
             deadline_s = time.monotonic() + timeout_s
             self._record_create(rid, len(prompt_ids), trace_id)
             session = self._session_load(request.session_id) if request.session_id else None
@@ -176,6 +190,23 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             context.abort(last_error.code, message)
         finally:
             timer.fail(grpc.StatusCode.CANCELLED.name)  # the client went away (no-op once the request ended)
+            if charge is not None:  # give back the tokens it did not generate
+                self.rate_limits.release(charge, len(timer.token_ids))
+
+    def _admit(self, context, prompt_ids: list[int], sampling) -> Charge | None:
+        """Charge the caller's rate limits (None: no limit set). Over one: RESOURCE_EXHAUSTED naming it, with
+        trailing metadata ``rate-limit`` (requests|tokens) and ``retry-after-ms`` (absent when no wait helps)."""
+        if self.rate_limits is None:
+            return None
+        max_completion = min(sampling.max_new_tokens, self.model.max_model_len - len(prompt_ids))
+        try:
+            return self.rate_limits.admit(principal_of(context), len(prompt_ids), max_completion)
+        except RateLimited as exc:
+            self.metrics.rate_limited.labels(exc.limit).inc()
+            self.metrics.start_request(0).fail(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+            hint = () if exc.retry_after_ms is None else ((RETRY_AFTER_MS_KEY, str(exc.retry_after_ms)),)
+            context.set_trailing_metadata(((RATE_LIMIT_KEY, exc.limit), *hint))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     def _serve(self, rid, prompt_ids, sampling_msg, deadline_s, excluded, context, timer: RequestTimer,
                session: SessionRecord | None = None, full: frozenset[str] = frozenset()):
@@ -290,7 +321,11 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             timer.on_tokens(first.token_ids)
             self._record_update(rid, status="decoding", num_tokens_emitted=emitted, decode_started_at=time.time(),
                                 first_token_at=timer.first_token_at, **stages)
-            yield first_message
+            try:
+                yield first_message
+            except GeneratorExit:  # the client left: the cancelled Decode may never have reached the worker
+                self._release_soon(decode_stub, rid)
+                raise
             yield from self._relay(rid, call, decode_stub, d.id, p.id, prompt_ids, emitted, timer, context,
                                    sampling_msg, deadline_s)
             return d.id
@@ -314,3 +349,11 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         cached = {w: n * bs for w, n in blocks.items()}
         return pick_prefill_cached(workers, self.tracker, excluded, cached, len(prompt_ids),
                                    self.config.prefix_load_penalty_tokens)
+
+
+def _check_request_id(request_id: str) -> None:
+    """ValueError naming a client-chosen request id longer than the KV wire format carries (it names the KV)."""
+    size = len(request_id.encode())
+    if size > MAX_REQUEST_ID_BYTES:
+        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_BYTES} UTF-8 bytes, got {size}: "
+                         f"{request_id[:32]!r}...")
