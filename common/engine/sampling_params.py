@@ -95,11 +95,11 @@ class SamplingParams:
     def _validate_stop(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        for s in self.stop:
+        for i, s in enumerate(self.stop):  # messages stay short: other stop strings may be huge
             if not isinstance(s, str):
                 raise ValueError(f"stop strings must be str, got {s!r}")
             if not s:
-                raise ValueError(f"stop strings must not be empty, got {s!r} in {self.stop!r}")
+                raise ValueError(f"stop strings must not be empty, got {s!r} at index {i}")
 
     def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
         for token_id in self.stop_token_ids:

@@ -37,6 +37,7 @@ from common.security.auth import PRINCIPAL_ATTR, Authenticator, credential_of
 from common.security.errors import AuthError
 
 log = logging.getLogger(__name__)
+CLIENT_TIMEOUT_S = 60.0  # see HttpFront.__init__
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # never need a credential, even with auth on
 
 Handler = Callable[[BaseHTTPRequestHandler], None]
@@ -77,9 +78,14 @@ class HttpFront:
     """An HTTP server on its own threads; start() binds (port 0 = any free port) and returns the port.
     ``authenticator``: None = every route open; else all but :data:`OPEN_PATHS` need a credential."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, authenticator: Authenticator | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, authenticator: Authenticator | None = None,
+                 client_timeout_s: float = CLIENT_TIMEOUT_S) -> None:
+        """``client_timeout_s``: longest wait on a client's socket (an idle keep-alive connection, a request
+        line, headers or body that stop arriving, a response the client stops reading); past it the connection
+        is closed, so a stalled client cannot hold a server thread. WebSocket connections set their own."""
         self.host, self.port = host, port
         self.authenticator = authenticator
+        self.client_timeout_s = client_timeout_s
         self._routes: dict[tuple[str, str], Handler] = {}
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -117,6 +123,7 @@ class HttpFront:
         class _Request(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
             server_version = "pdserve"
+            timeout = self.client_timeout_s  # the socket's timeout (StreamRequestHandler.setup)
 
             def _dispatch(self) -> None:
                 setattr(self, PRINCIPAL_ATTR, None)  # one handler object serves every request of a connection
@@ -141,8 +148,8 @@ class HttpFront:
                     return
                 try:
                     handler(self)
-                except (BrokenPipeError, ConnectionResetError):  # the client went away
-                    pass
+                except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client went away or stalled
+                    self.close_connection = True
                 except Exception:  # noqa: BLE001 - one broken call must not take the server down
                     log.exception("HTTP %s %s failed", self.command, self.path)
                     try:

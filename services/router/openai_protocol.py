@@ -3,7 +3,8 @@
 The OpenAI protocol layer is pure (no I/O, no sockets, no clocks) and lives in three modules:
 
 - ``openai_protocol`` (this one): the error every parser raises and the HTTP front answers with;
-  ``status_of_grpc`` / ``error_from_grpc`` turn the router's gRPC failures into OpenAI error bodies;
+  ``status_of_grpc`` / ``error_from_grpc`` turn the router's gRPC failures into OpenAI error bodies
+  (``rate_limit_error`` a caller's rate limit);
   the typed JSON value checks (``int_value``, ``float_value``, ...) the parsers share;
 - ``openai_requests``: ``parse_completion`` / ``parse_chat`` validate a JSON body into a
   ``ParsedRequest`` that builds the router's ``GenerateRequest``;
@@ -101,6 +102,13 @@ def error_from_grpc(code_name: str, details: str) -> OpenAIError:
     return OpenAIError(status, details or f"generation failed: {code_name}", kind, None, code)
 
 
+def rate_limit_error(limit: str, details: str) -> OpenAIError:
+    """The OpenAI error for a request refused by the caller's rate limit (``limit``: ``requests`` or ``tokens``):
+    429, ``type`` the budget as OpenAI names it, ``code`` ``rate_limit_exceeded``. A saturated cluster's 429 keeps
+    ``type`` ``rate_limit_error`` (:func:`error_from_grpc`), so a client can tell its own quota from a busy cluster."""
+    return OpenAIError(429, details, limit, None, "rate_limit_exceeded")
+
+
 # -- JSON value checks (each raises a 400 naming the param and the value) ----------------------------------------------
 
 
@@ -153,9 +161,22 @@ def bool_value(obj: dict, key: str, param: str | None = None) -> bool | None:
 
 def string_value(obj: dict, key: str, param: str | None = None) -> str | None:
     value = obj.get(key)
-    if value is None or isinstance(value, str):
-        return value
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return unicode_text(value, param or key)
     raise invalid(param or key, f"{param or key} must be a string, got {show(value)}")
+
+
+def unicode_text(value: str, param: str) -> str:
+    """``value``, unless it holds a lone UTF-16 surrogate (a JSON ``"\\ud800"`` escape decodes to one): no UTF-8
+    text, protobuf string or tokenizer takes it, so it is a 400 naming ``param`` and where the surrogate is."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(param, f"{param} holds a lone UTF-16 surrogate {value[exc.start]!r} at index {exc.start}, "
+                             f"which is not valid Unicode") from None
+    return value
 
 
 def array_value(obj: dict, key: str) -> list:

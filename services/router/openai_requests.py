@@ -3,7 +3,9 @@
 Contract: ``parse_completion`` and ``parse_chat`` take any value ``json.loads`` can return (NaN and
 Infinity included) and either return a ``ParsedRequest`` whose ``to_generate_request()`` builds a valid
 ``GenerateRequest``, or raise :class:`OpenAIError`: 400 ``invalid_request_error`` whose ``param`` names the
-field and whose message names the bad value, or 404 ``model_not_found``. They raise nothing else.
+field and whose message names the bad value, or 404 ``model_not_found``. They raise nothing else. Text that
+reaches the model (prompt, stop strings, message contents and names, ``session_id``) must be valid Unicode: a
+lone surrogate is a 400. ``parse_json`` turns the raw body into that value (or a 400 saying why it is none).
 
 Checks run in a fixed order, so the first fault reported is deterministic: the body is an object → no
 unrecognized keys (the first in body order) → ``model`` → the prompt (``prompt`` / ``messages``) →
@@ -21,6 +23,7 @@ Extensions beyond OpenAI (vLLM's names): ``top_k`` (-1 or 0 is off), ``min_p``, 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +47,7 @@ from services.router.openai_protocol import (
     show,
     string_value,
     token_ids,
+    unicode_text,
 )
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat leaves it to the router
@@ -86,6 +90,18 @@ class ParsedRequest:
         else:
             request.text = self.prompt_text or ""
         return request
+
+
+def parse_json(raw: bytes | str, what: str = "request body") -> object:
+    """The JSON value of a request body or message (bytes in UTF-8, -16 or -32, as ``json.loads`` reads them), or
+    a 400 naming ``what`` and the problem: bad syntax or encoding, an integer past Python's digit limit, or nesting
+    deeper than the parser's recursion limit."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise invalid(None, f"{what} is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors, so is the digit limit
+        raise invalid(None, f"{what} is not valid JSON: {exc}") from None
 
 
 def parse_completion(body: object, *, served_model: str) -> ParsedRequest:
@@ -177,7 +193,7 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
     if isinstance(value, str):
         if not value:
             raise invalid("prompt", "prompt is empty")
-        return value, None
+        return unicode_text(value, "prompt"), None
     if not isinstance(value, list):
         raise invalid("prompt", f"prompt must be a string or an array of token ids, got {show(value)}")
     if not value:
@@ -248,6 +264,7 @@ def _stop(body: dict) -> list[str]:
             raise invalid("stop", f"stop strings must be strings, got {show(s)}")
         if not s:
             raise invalid("stop", "stop strings must not be empty")
+        unicode_text(s, "stop")
     return items
 
 
@@ -294,7 +311,7 @@ def _message(msg: object, at: str) -> dict[str, str]:
 
 def _content(value: object, at: str) -> str:
     if isinstance(value, str):
-        return value
+        return unicode_text(value, at)
     if not isinstance(value, list):
         raise invalid(at, f"{at} must be a string or an array of text parts, got {show(value)}")
     texts = []
@@ -309,7 +326,7 @@ def _content(value: object, at: str) -> str:
             raise invalid(f"{where}.{extra}", f"unrecognized content part field {show(extra)} in {where}")
         if not isinstance(part.get("text"), str):
             raise invalid(f"{where}.text", f"{where}.text must be a string, got {show(part.get('text'))}")
-        texts.append(part["text"])
+        texts.append(unicode_text(part["text"], f"{where}.text"))
     return "\n".join(texts)
 
 

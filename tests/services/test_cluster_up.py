@@ -113,6 +113,8 @@ def test_generate_cli_json(cluster, model_dir, hf_reference):
         ([5, 6], {"temperature": -1.0}, "-1"),
         ([5, 6], {"top_p": 0.0}, "top_p"),
         ([5, 6], {"stop_token_ids": [99999]}, "99999"),
+        # Longer than the KV wire format carries: the hand-off used to fail with UNKNOWN.
+        ([5, 6], {"request_id": "é" * 129}, "request_id must be at most 256 UTF-8 bytes, got 258"),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_value(cluster, prompt, sampling, message):

@@ -1,12 +1,13 @@
 """The router's HTTP front on a live cluster (``pdserve up``: real processes, real Redis): the OpenAI API
 through the official ``openai`` client, the WebSocket stream, cancellation that frees KV on every worker,
-deadlines, and errors in OpenAI's shape."""
+deadlines, and errors in OpenAI's shape; malformed requests on a front with a stand-in router (no cluster)."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -15,9 +16,12 @@ import grpc
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
+from common.http.server import HttpFront
 from pdserve.client import Client
+from services.router.http_api import RouterHttpApi
 from tests.cli import pdserve
 from tests.services.up import pdserve_up
 
@@ -168,3 +172,84 @@ def test_deadlines_reach_every_stage(cluster):
         urllib.request.urlopen(request, timeout=30)
     assert http_err.value.code == 504
     assert wait_kv_free(cluster) < 1.0
+
+
+def test_a_deadline_with_no_time_left_is_kept(cluster):
+    # No time remaining (0.0) used to read as "no deadline": the router's 600 s default, all 1500 tokens, a 200.
+    body = json.dumps({"model": cluster["model"], **LONG}).encode()
+    request = urllib.request.Request(f"http://{cluster['http']}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json", "X-Request-Timeout": "1e-300"})
+    with pytest.raises(urllib.error.HTTPError) as http_err:
+        urllib.request.urlopen(request, timeout=30)
+    assert http_err.value.code == 504
+    assert wait_kv_free(cluster) < 1.0
+
+
+# -- malformed requests (a stand-in router: none of these may reach it) -----------------------------------------
+
+
+class _NoRouter:
+    model = type("Model", (), {"tokenizer": None})
+
+    def Generate(self, request, context):
+        raise AssertionError(f"a malformed request reached the router: {request}")
+
+
+@pytest.fixture(scope="module")
+def bare_front():
+    front = HttpFront("127.0.0.1", 0)
+    RouterHttpApi(_NoRouter(), "m").register(front)
+    front.start()
+    yield front.address
+    front.stop()
+
+
+def raw_exchange(address: str, head: bytes, body: bytes = b"") -> bytes:
+    """Send ``head`` and ``body`` on one connection, then read until the server closes it (fails after 5 s)."""
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(head + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+@pytest.mark.parametrize("headers, body, status", [
+    (b"Transfer-Encoding: chunked\r\n", b"5\r\nhello\r\n0\r\n\r\n", b"411 Length Required"),
+    (b"Content-Length: 12abc\r\n", b"{}", b"400 Bad Request"),
+    (b"Content-Length: 99999999999\r\n", b"{}", b"413 Request Entity Too Large"),
+])  # fmt: skip
+def test_a_body_refused_unread_closes_the_connection(bare_front, headers, body, status):
+    # Keep-alive used to go on, parsing the unread body as the next request (an HTML "Bad request syntax").
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n"
+    reply = raw_exchange(bare_front, head, body)
+    assert reply.startswith(b"HTTP/1.1 " + status) and reply.count(b"HTTP/1.1") == 1, reply
+    assert b"\r\nConnection: close\r\n" in reply and reply.endswith(b'"param":null,"code":null}}'), reply
+
+
+def test_json_nested_too_deeply_is_a_400_on_http_and_websocket(bare_front):
+    # json.loads raised RecursionError: a 500 over HTTP and an HTTP 500 written into the WebSocket.
+    body = b"[" * 100_000
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+    reply = raw_exchange(bare_front, head, body)
+    assert reply.startswith(b"HTTP/1.1 400 ") and reply.endswith(
+        b'{"error":{"message":"request body is not valid JSON: nested too deeply","type":"invalid_request_error",'
+        b'"param":null,"code":null}}'), reply
+    with ws_connect(f"ws://{bare_front}/v1/generate/ws", open_timeout=5) as ws:
+        ws.send("[" * 100_000)
+        error = json.loads(ws.recv(timeout=5))
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=5)
+    assert error["data"]["error"]["message"] == "the request message is not valid JSON: nested too deeply"
+    assert ws.close_code == 1008
+
+
+def test_a_lone_surrogate_in_a_websocket_prompt_is_an_error_naming_it(bare_front):
+    # The parser let it through and building the proto raised: an HTTP 500 written into the WebSocket.
+    with ws_connect(f"ws://{bare_front}/v1/generate/ws", open_timeout=5) as ws:
+        ws.send('{"prompt": "a\\ud800"}')
+        error = json.loads(ws.recv(timeout=5))["data"]["error"]
+    assert (error["param"], error["message"]) == (
+        "prompt", "prompt holds a lone UTF-16 surrogate '\\ud800' at index 1, which is not valid Unicode")
+    assert ws.close_code == 1008

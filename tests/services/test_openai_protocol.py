@@ -17,7 +17,14 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from common.rpc.convert import sampling_from_proto
 from pdserve.v1 import generate_pb2, types_pb2
 from services.router.openai_protocol import OpenAIError, error_from_grpc, status_of_grpc
-from services.router.openai_requests import CHAT_KEYS, COMPLETION_KEYS, ParsedRequest, parse_chat, parse_completion
+from services.router.openai_requests import (
+    CHAT_KEYS,
+    COMPLETION_KEYS,
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
 from services.router.openai_responses import (
     TokenStrings,
     chat_chunk,
@@ -205,6 +212,16 @@ COMPLETION_ERRORS = [
      "unrecognized stream option: 'continuous'"),
     ({"messages": USER_HI}, "messages", "unrecognized request argument supplied: 'messages'"),
     ({"frobnicate": 1}, "frobnicate", "unrecognized request argument supplied: 'frobnicate'"),
+    # Lone surrogates (JSON "\\ud800" escapes) wherever text reaches the proto: they used to fail building it (500).
+    ({"prompt": "a\ud800"}, "prompt",
+     "prompt holds a lone UTF-16 surrogate '\\ud800' at index 1, which is not valid Unicode"),
+    ({"prompt": ["\udfff"]}, "prompt",
+     "prompt holds a lone UTF-16 surrogate '\\udfff' at index 0, which is not valid Unicode"),
+    ({"stop": ["ok", "x\udc00"]}, "stop",
+     "stop holds a lone UTF-16 surrogate '\\udc00' at index 1, which is not valid Unicode"),
+    ({"session_id": "s\ud800"}, "session_id",
+     "session_id holds a lone UTF-16 surrogate '\\ud800' at index 1, which is not valid Unicode"),
+    ({"user": "\ud800"}, "user", "user holds a lone UTF-16 surrogate '\\ud800' at index 0, which is not valid Unicode"),
 ]  # fmt: skip
 
 
@@ -215,6 +232,27 @@ def test_completion_validation_errors(fields, param, message):
                                                                         message, None)  # fmt: skip
     assert err.body() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
                                     "code": None}}  # fmt: skip
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"[" * 100_000, "nested too deeply"),  # used to escape as RecursionError: a 500
+    (b'{"max_tokens": ' + b"9" * 5000 + b"}", "Exceeds the limit (4300 digits) for integer string conversion: "
+                                              "value has 5000 digits; use sys.set_int_max_str_digits() to increase "
+                                              "the limit"),
+    (b'{"prompt": "\xff"}', "'utf-8' codec can't decode byte 0xff in position 12: invalid start byte"),
+    (b"{", "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+])  # fmt: skip
+def test_a_body_that_is_no_json_is_a_400_saying_why(raw, message):
+    err = error_of(parse_json, raw)
+    assert (err.status, err.type, err.param, err.message) == (400, "invalid_request_error", None,
+                                                              f"request body is not valid JSON: {message}")
+
+
+def test_parse_json_reads_what_json_loads_reads_and_names_what_it_parses():
+    assert parse_json('{"a": [1, NaN]}'.encode("utf-16"))["a"][0] == 1
+    assert parse_json(b"\xef\xbb\xbf[2]") == [2]  # a UTF-8 byte order mark
+    assert error_of(parse_json, "[" * 100_000, "the request message").message == (
+        "the request message is not valid JSON: nested too deeply")
 
 
 def test_model_is_required_and_must_be_the_served_one():
@@ -335,6 +373,13 @@ CHAT_ERRORS = [
      "unrecognized message field 'foo' in messages[0]"),
     ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name",
      "messages[0].name must be a string, got 5"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content",
+     "messages[0].content holds a lone UTF-16 surrogate '\\ud800' at index 0, which is not valid Unicode"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "ab\udfff"}]}]},
+     "messages[0].content[0].text",
+     "messages[0].content[0].text holds a lone UTF-16 surrogate '\\udfff' at index 2, which is not valid Unicode"),
+    ({"messages": [{"role": "user", "content": "x", "name": "\ud800"}]}, "messages[0].name",
+     "messages[0].name holds a lone UTF-16 surrogate '\\ud800' at index 0, which is not valid Unicode"),
     ({"tools": [{"type": "function"}]}, "tools",
      "tools=[{'type': 'function'}] is not supported: tools are not supported"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice='required' is not supported: tools are not supported"),
@@ -627,7 +672,8 @@ def test_token_bytes_of_a_sentencepiece_byte_fallback_piece():
 # -- fuzz -------------------------------------------------------------------------------------------------------
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=6),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=6)
+    | st.sampled_from(["\ud800", "a\udfff"]),  # lone surrogates: JSON escapes decode to them
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=10,
 )

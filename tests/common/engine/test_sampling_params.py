@@ -58,7 +58,7 @@ def test_greedy(kwargs: dict, greedy: bool) -> None:
         ({"logprobs": -1}, "logprobs must be >= 0, got -1"),
         ({"seed": True}, "seed must be an int, got True"),
         ({"seed": 2**64}, f"seed must be <= {2**64 - 1}, got {2**64}"),
-        ({"stop": ("ok", "")}, "stop strings must not be empty, got '' in ('ok', '')"),
+        ({"stop": ("ok", "")}, "stop strings must not be empty, got '' at index 1"),
         ({"stop": tuple(str(i) for i in range(17))}, "stop must hold at most 16 strings, got 17"),
         ({"stop": ("ok", 3)}, "stop strings must be str, got 3"),
         ({"stop_token_ids": (5, 99999)}, "unknown stop token id 99999 (vocab size 4096)"),
@@ -70,6 +70,13 @@ def test_validate_names_field_and_value(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError) as info:
         SamplingParams(**kwargs).validate(vocab_size=4096)
     assert str(info.value) == message
+
+
+def test_an_empty_stop_string_is_named_without_the_others() -> None:
+    # The message becomes a gRPC status, whose details past 16 KiB kill the stream (RESOURCE_EXHAUSTED).
+    with pytest.raises(ValueError) as info:
+        SamplingParams(stop=("z" * 100_000, "")).validate()
+    assert str(info.value) == "stop strings must not be empty, got '' at index 1"
 
 
 def test_ints_accepted_for_floats_and_bounds_inclusive() -> None:

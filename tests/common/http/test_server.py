@@ -57,3 +57,30 @@ def test_routes_unknown_paths_and_failing_handlers(front):
     code, _, body = fetch(f"{base}/boom")
     assert code == 500 and json.loads(body)["error"]["type"] == "server_error"
     assert fetch(f"{base}/metrics")[0] == 200  # still serving
+
+
+def test_a_stalled_client_is_dropped_after_the_client_timeout():
+    import socket
+    import time
+
+    http = HttpFront(client_timeout_s=0.5)
+    http.route("POST", "/echo", lambda request: send_json(
+        request, 200, json.loads(request.rfile.read(int(request.headers["Content-Length"])))))
+    http.start()
+    try:
+        stalls = [b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"a\":",  # body stops
+                  b"POST /echo HTTP/1.1\r\nHost: x\r\n",  # headers stop
+                  b""]  # idle connection
+        for sent in stalls:
+            with socket.create_connection(("127.0.0.1", http.port), timeout=10) as sock:
+                sock.sendall(sent)
+                t0 = time.monotonic()
+                while sock.recv(4096):  # the server closes it (after an error answer, if any)
+                    pass
+                assert 0.4 < time.monotonic() - t0 < 5, sent
+        body = json.dumps({"a": 1}).encode()  # a client that keeps up is served as before
+        request = urllib.request.Request(f"http://{http.address}/echo", body, method="POST")
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            assert json.loads(reply.read()) == {"a": 1}
+    finally:
+        http.stop()

@@ -1,0 +1,47 @@
+"""A server interceptor that answers a request message that does not parse with INVALID_ARGUMENT.
+
+gRPC's own answer to a request its deserializer rejects (invalid UTF-8 in a ``string`` field, a corrupt or
+truncated wire format) is INTERNAL "Exception deserializing request!", which blames the server and names nothing.
+With :class:`RejectUnparsable` (``build_server(..., interceptors=[..., RejectUnparsable()])``) the client gets
+INVALID_ARGUMENT with the parser's reason, e.g. "request does not parse: Error parsing message with type
+'pdserve.v1.GenerateRequest': String field had bad UTF-8", and the method's behavior never runs.
+
+Methods with one request message (unary-unary, unary-stream) only; request streams are left as they are.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.message import DecodeError
+
+
+class _Unparsable:
+    """What the lenient deserializer returns in place of a message that does not parse."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class RejectUnparsable(grpc.ServerInterceptor):
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        deserialize = handler.request_deserializer
+        if handler.response_streaming:
+            behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+        else:
+            behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+
+        def lenient(data: bytes):
+            try:
+                return deserialize(data)
+            except DecodeError as exc:
+                return _Unparsable(str(exc))
+
+        def checked(request, context):
+            if isinstance(request, _Unparsable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {request.reason}")
+            return behavior(request, context)
+
+        return make(checked, request_deserializer=lenient, response_serializer=handler.response_serializer)
