@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run run-engine test bench bench-disagg bench-cluster bench-http bench-reuse clean
+.PHONY: setup run run-engine test bench bench-disagg bench-cluster bench-http bench-reuse bench-soak clean
 
 # torch is pinned to the CPU build that lies on these machines' disk; see README for CUDA machines.
 $(BIN)/.installed: pyproject.toml
@@ -56,6 +56,9 @@ bench-http: $(BIN)/.installed
 
 bench-reuse: $(BIN)/.installed
 	$(BIN)/python benchmarks/kv_reuse.py
+
+bench-soak: $(BIN)/.installed
+	$(BIN)/python benchmarks/soak.py --json build/soak.json
 
 clean:
 	rm -rf $(VENV) build
