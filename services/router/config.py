@@ -46,6 +46,9 @@ class RouterConfig:
     otlp_endpoint: str = field(
         default="", metadata=_help("OTLP gRPC endpoint of traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")
     )
+    drain_timeout_s: float = field(
+        default=25.0, metadata=_help("on SIGTERM, how long open streams may finish before the server stops")
+    )
     record_ttl_s: float = field(default=60.0, metadata=_help("how long Redis keeps a finished request's record"))
     api_key_file: str = field(
         default="", metadata=_help("API keys, one per line (# comments); with $PDSERVE_API_KEYS (comma-separated): "
@@ -89,3 +92,22 @@ class RouterConfig:
     public_tls_key_file: str = field(
         default="", metadata=_help("TLS on the public gRPC API: the certificate's PEM private key (unencrypted)")
     )
+    k8s_prefill_service: str = field(
+        default="", metadata=_help("Kubernetes discovery: headless Service of the prefill pods; a registry worker "
+                                   "whose pod its EndpointSlices show not ready or terminating gets no new "
+                                   "requests (empty: not watched)")
+    )
+    k8s_decode_service: str = field(
+        default="", metadata=_help("Kubernetes discovery: headless Service of the decode pods (as "
+                                   "--k8s-prefill-service; empty: not watched)")
+    )
+    k8s_namespace: str = field(
+        default="", metadata=_help("Kubernetes discovery: namespace of those Services (default: the router pod's "
+                                   "own, else the kubeconfig context's, else default)")
+    )
+    k8s_kubeconfig: str = field(
+        default="", metadata=_help("Kubernetes discovery: kubeconfig file (default: the pod's service account in a "
+                                   "pod, else $KUBECONFIG or ~/.kube/config)")
+    )
+    k8s_refresh_s: float = field(default=2.0, metadata=_help("Kubernetes discovery: how often the EndpointSlices "
+                                                             "are listed"))

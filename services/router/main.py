@@ -23,6 +23,7 @@ from common.state.registry import WORKER_ROLES, WorkerRegistry
 from pdserve.v1 import generate_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.http_api import RouterHttpApi
+from services.router.k8s_discovery import K8sDiscovery
 from services.router.rate_limits import RouterRateLimits
 from services.router.registry_view import RegistryView
 from services.router.servicer import ModelInfo, RouterServicer
@@ -69,7 +70,9 @@ def run(
     gRPC API and the HTTP front (OpenAI API, WebSocket stream, ``/metrics``, ``/healthz``, ``/readyz``) serve.
     With API keys or JWTs configured (:mod:`common.security.auth`), both need a credential except gRPC health
     checks, ``/healthz``, ``/readyz`` and ``/metrics``. With ``--tls-*`` its calls to the workers use mutual TLS;
-    with ``--public-tls-*`` the public gRPC API speaks only TLS (:mod:`common.rpc.tls`)."""
+    with ``--public-tls-*`` the public gRPC API speaks only TLS (:mod:`common.rpc.tls`). With
+    ``--k8s-prefill-service`` / ``--k8s-decode-service`` the EndpointSlices of those Services keep workers whose
+    pod is not ready or terminating from new requests (:mod:`services.router.k8s_discovery`)."""
     stop_event = stop_event or threading.Event()
     authenticator = Authenticator.from_config(config)  # None: auth off, every front open
     if authenticator is not None:
@@ -81,9 +84,12 @@ def run(
             tls.load()  # before the tokenizer loads: a bad certificate or key fails fast (ValueError naming it)
     model = load_model_info(config)
     redis = connect(config.redis_url)
+    discovery = K8sDiscovery.from_config(config)  # None: routing on the Redis registry alone
     view = RegistryView(WorkerRegistry(redis, prefix=config.redis_prefix), refresh_s=config.registry_refresh_s,
-                        grace_s=config.registry_grace_s)
+                        grace_s=config.registry_grace_s, routable=discovery.routable if discovery else None)
     view.start()
+    if discovery is not None:
+        discovery.start(view.all_workers)
     records = RequestStore(redis, prefix=config.redis_prefix, finished_ttl_s=config.record_ttl_s)
     metrics = RouterMetrics(view.all_workers, lambda: not view.degraded)
     tracing = Tracing("pdserve-router", config.otlp_endpoint)
@@ -111,7 +117,8 @@ def run(
 
     def details() -> dict:
         return {"redis": "degraded" if view.degraded else "ok",
-                **{f"{role}_workers": len(view.workers(role)) for role in WORKER_ROLES}}
+                **{f"{role}_workers": len(view.workers(role)) for role in WORKER_ROLES},
+                **(discovery.details() if discovery is not None else {})}
 
     http = HttpFront(config.host, config.http_port, authenticator=authenticator)
     http.add_observability(metrics.registry, not_ready, details)
@@ -130,8 +137,10 @@ def run(
             signal.signal(sig, lambda *_: stop_event.set())
     stop_event.wait()
     health.set_serving(False)
-    server.stop(grace=5.0).wait(10.0)
+    server.stop(grace=config.drain_timeout_s).wait(config.drain_timeout_s + 5.0)
     http.stop()
     view.stop()
+    if discovery is not None:
+        discovery.stop()
     tracing.shutdown()
     return 0

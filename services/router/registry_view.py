@@ -5,6 +5,9 @@ the view's age grows) instead of failing every request; a worker whose heartbeat
 next successful read. When Redis comes back, or comes back empty (restarted without persistence, flushed:
 its registry epoch changed), the workers missing from it are kept for ``grace_s`` while they re-register at
 their next heartbeat, instead of the router seeing an empty cluster for that second.
+
+An optional ``routable`` filter (the router's Kubernetes discovery, :mod:`services.router.k8s_discovery`) takes
+workers away from :meth:`RegistryView.workers` at each call; without one the view is the registry's alone.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from common.state.registry import WorkerInfo, WorkerRegistry
 
@@ -19,8 +23,12 @@ log = logging.getLogger(__name__)
 
 
 class RegistryView:
-    def __init__(self, registry: WorkerRegistry, *, refresh_s: float = 0.5, grace_s: float = 5.0) -> None:
+    def __init__(self, registry: WorkerRegistry, *, refresh_s: float = 0.5, grace_s: float = 5.0,
+                 routable: Callable[[WorkerInfo], bool] | None = None) -> None:
+        """``routable``: called for every ready worker on every :meth:`workers` call (on request threads), so
+        it must be thread-safe, quick and free of I/O; False keeps that worker from new requests."""
         self.registry = registry
+        self.routable = routable
         self.refresh_s = refresh_s
         self.grace_s = grace_s
         self._epoch: str | None = None
@@ -43,8 +51,9 @@ class RegistryView:
             self._thread.join(5.0)
 
     def workers(self, role: str | None = None) -> list[WorkerInfo]:
-        """The ready workers (of ``role``), as of the last successful read."""
-        return [w for w in self._workers if role is None or w.role == role]
+        """The ready workers (of ``role``), as of the last successful read, that ``routable`` (if any) admits now."""
+        routable = self.routable
+        return [w for w in self._workers if (role is None or w.role == role) and (routable is None or routable(w))]
 
     def all_workers(self) -> list[WorkerInfo]:
         """Every live registry entry, ready or draining, as of the last successful read."""
