@@ -113,7 +113,7 @@ def test_the_config_log_hides_the_password():
 def test_pdserve_status_error_names_the_url_without_the_password(protected, capsys, caplog):
     url = protected.url_with(password=WRONG)
     with caplog.at_level(logging.DEBUG):
-        code = status(argparse.Namespace(redis_url=url, prefix="pdserve:", json=True))
+        code = status(argparse.Namespace(redis_url=url, prefix="pdserve:", json=True, k8s=False))
     err = capsys.readouterr().err
     assert code == 1
     assert err.startswith(f"pdserve status: error: cannot read the worker registry from Redis at "
