@@ -14,33 +14,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from local_cluster import pdserve_up
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_config(model: str, prefill: int, decode: int, bench_args: list[str], out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", model, "--prefill", str(prefill), "--decode", str(decode),
-         "--worker-arg=--threads=1", "--worker-arg=--max-model-len=4096", "--worker-arg=--kv-cache-memory=1e9"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    try:
-        line = up.stdout.readline()
-        if not line.startswith("pdserve ready: "):
-            raise RuntimeError(f"pdserve up failed: {line!r}")
-        router = line.split()[2]
+    with pdserve_up("--model", model, "--prefill", str(prefill), "--decode", str(decode), "--worker-arg=--threads=1",
+                    "--worker-arg=--max-model-len=4096", "--worker-arg=--kv-cache-memory=1e9") as info:
+        router = info["router"]
         subprocess.run([sys.executable, "-m", "pdserve", "bench", "--router", router, *bench_args, "--no-progress",
                         "--result-json", str(out / "result.json"), "--plot-dir", str(out)],
                        cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
         return json.loads((out / "result.json").read_text())
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(60)
 
 
 def main() -> int:

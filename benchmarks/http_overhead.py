@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from local_cluster import pdserve_up
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,25 +46,14 @@ def main() -> int:
         from common.models.tiny import build_tiny
 
         build_tiny("llama", args.model, size="60m")
-    up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", args.model, "--worker-arg=--threads=1",
-         "--worker-arg=--max-model-len=4096", "--worker-arg=--kv-cache-memory=1e9"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    try:
-        line = up.stdout.readline()
-        if not line.startswith("pdserve ready: "):
-            raise RuntimeError(f"pdserve up failed: {line!r}")
-        fields = line.split()
-        router, http = fields[2], dict(f.split("=", 1) for f in fields[3:])["http"]
+    with pdserve_up("--model", args.model, "--worker-arg=--threads=1", "--worker-arg=--max-model-len=4096",
+                    "--worker-arg=--kv-cache-memory=1e9") as info:
+        router, http = info["router"], info["http"]
         bench(router, False, args, seed=99)  # warm-up
         runs: dict[str, list[dict]] = {"grpc": [], "http": []}
         for r in range(args.rounds):
             runs["grpc"].append(bench(router, False, args, seed=r))
             runs["http"].append(bench(http, True, args, seed=r))
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(60)
     med = {p: {"tok_s": statistics.median(x["output_throughput"] for x in rs),
                "ttft_p50": statistics.median(x["ttft_ms"]["p50"] for x in rs),
                "ttft_p90": statistics.median(x["ttft_ms"]["p90"] for x in rs),

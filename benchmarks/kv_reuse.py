@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
 import sys
 import tempfile
 import urllib.request
 from pathlib import Path
 
+from local_cluster import pdserve_up
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,17 +42,11 @@ def scrape(addresses: list[str]) -> dict[str, float]:
 
 
 def run(model: str, caching: bool) -> dict:
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", model, "--worker-arg=--threads=1",
-            "--worker-arg=--max-model-len=4096", "--worker-arg=--kv-cache-memory=1e9"]
+    args = ["--model", model, "--worker-arg=--threads=1", "--worker-arg=--max-model-len=4096",
+            "--worker-arg=--kv-cache-memory=1e9"]
     if not caching:
-        argv.append("--worker-arg=--no-prefix-caching")
-    up = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = up.stdout.readline()
-        if not line.startswith("pdserve ready: "):
-            raise RuntimeError(f"pdserve up failed: {line!r}")
-        fields = line.split()
-        info = dict(f.split("=", 1) for f in fields[3:])
+        args.append("--worker-arg=--no-prefix-caching")
+    with pdserve_up(*args) as info:
         status = subprocess.run([sys.executable, "-m", "pdserve", "status", "--json", "--redis-url", info["redis"]],
                                 cwd=REPO, capture_output=True, text=True, check=True)
         workers = [w["metrics_address"] for w in json.loads(status.stdout)["workers"]]
@@ -60,8 +54,8 @@ def run(model: str, caching: bool) -> dict:
         for name, load in WORKLOADS.items():
             before = scrape(workers)
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                subprocess.run([sys.executable, "-m", "pdserve", "bench", "--router", fields[2], *load, "--seed", "0",
-                                "--no-progress", "--result-json", f.name], cwd=REPO, check=True,
+                subprocess.run([sys.executable, "-m", "pdserve", "bench", "--router", info["router"], *load,
+                                "--seed", "0", "--no-progress", "--result-json", f.name], cwd=REPO, check=True,
                                stdout=subprocess.DEVNULL)  # fmt: skip
                 result = json.loads(Path(f.name).read_text())
             after = scrape(workers)
@@ -75,9 +69,6 @@ def run(model: str, caching: bool) -> dict:
                          "saved": delta("pdserve:prefix_cache_hits_total"), "failed": result["failed"],
                          "tok_s": result["output_throughput"]}  # fmt: skip
         return out
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(60)
 
 
 def main() -> int:

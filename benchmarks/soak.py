@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +30,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from local_cluster import pdserve_up  # noqa: E402
 
 from common.state.redis_client import connect  # noqa: E402
 from common.state.registry import WorkerRegistry  # noqa: E402
@@ -136,18 +136,12 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the samples and the summary here")
     args = ap.parse_args()
 
-    up_argv = [sys.executable, "-m", "pdserve", "up", "--prefill", str(args.prefill), "--decode", str(args.decode),
-               "--worker-arg=--threads=1", f"--worker-arg=--kv-cache-memory={args.kv_cache_memory:g}"]  # fmt: skip
+    up_args = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--worker-arg=--threads=1",
+               f"--worker-arg=--kv-cache-memory={args.kv_cache_memory:g}"]  # fmt: skip
     if args.model:
-        up_argv += ["--model", args.model]
-    up = subprocess.Popen(up_argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = up.stdout.readline()
-        if not line.startswith("pdserve ready: "):
-            raise RuntimeError(f"pdserve up failed: {line!r}")
-        fields = line.split()
-        info = dict(f.split("=", 1) for f in fields[3:])
-        router, http, redis_url = fields[2], info["http"], info["redis"]
+        up_args += ["--model", args.model]
+    with pdserve_up(*up_args) as info:
+        up, router, http, redis_url = info["proc"], info["router"], info["http"], info["redis"]
         registry = WorkerRegistry(connect(redis_url))
         workers = registry.list_workers()
         procs = {w.id: w.pid for w in workers}
@@ -179,9 +173,6 @@ def main() -> int:
                 settle_s = time.monotonic() - t0 - took_s
                 break
             time.sleep(0.25)
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(60)
 
     after = [s for s in samples if s["requests"] >= args.warmup] or samples[-1:]
     summary = {}
