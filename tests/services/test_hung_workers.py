@@ -20,6 +20,7 @@ from tests.services.probe import metric, wait_for, workers
 from tests.services.up import pdserve_up
 
 HEARTBEAT_TTL_S = 3
+SUSPECT_COOLDOWN_S = 1
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +33,21 @@ def cluster(model_dir, tmp_path_factory):
     with pdserve_up("--model", model_dir, "--prefill", "2", "--decode", "2", "--log-dir",
                     str(tmp_path_factory.mktemp("hung-logs")), "--worker-arg=--kv-cache-memory=6e7",
                     f"--worker-arg=--heartbeat-ttl-s={HEARTBEAT_TTL_S}",
-                    "--router-arg=--worker-cooldown-s=1") as info:  # a victim is no suspect by the next test
+                    f"--router-arg=--worker-cooldown-s={SUSPECT_COOLDOWN_S}") as info:  # short cool-down
         info["workers"] = workers(info["redis"])
         yield info
 
 
 @contextmanager
 def frozen(cluster, worker_id: str):
-    """SIGSTOP a worker for the block; SIGCONT after, then wait until it is registered again, all blocks free."""
+    """SIGSTOP a worker for the block; SIGCONT after, then wait until it is registered again, all blocks free.
+    Before freezing, waits until the router itself counts every worker ready and no earlier failure makes one a
+    suspect, so that requests do reach the victim (the router's view can lag a re-registration by a refresh)."""
     pid = cluster["workers"][worker_id].pid
+    for role in ("prefill", "decode"):
+        wait_for(lambda role=role: metric(cluster["http"], "pdserve:workers", role=role, state="ready") == 2, 15,
+                 f"the router counts two ready {role} workers")
+    time.sleep(SUSPECT_COOLDOWN_S + 0.5)
     os.kill(pid, signal.SIGSTOP)
     try:
         yield
