@@ -12,6 +12,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip, with the reason, on a machine without a CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """``tiny_model_dir(arch, **overrides)`` → path of a tiny model, built once per session per arguments."""
