@@ -42,7 +42,8 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def pack_linear_layers(model: torch.nn.Module) -> int:
-    """Replace each CPU ``nn.Linear`` of ``model`` (fp32/bf16) by a :class:`PackedLinear`; returns how many.
+    """Replace each CPU ``nn.Linear`` of ``model`` (fp32/bf16, plain weight) by a :class:`PackedLinear`; returns
+    how many.
 
     A layer whose packed result differs from ``F.linear`` by more than summation-order noise is left
     alone (the check runs once per layer on a small random input).
@@ -50,7 +51,12 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     swaps = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if type(child) is torch.nn.Linear and packing_supported(child.weight.dtype, child.weight.device):
+            if type(child) is not torch.nn.Linear:
+                continue
+            # A plain weight only: a torchao quantized weight (a tensor subclass, common/engine/quantization.py)
+            # reports the full-precision dtype but has no oneDNN reorder (each layer would fail and warn).
+            plain = type(child.weight) is torch.nn.Parameter and type(child.weight.data) is torch.Tensor
+            if plain and packing_supported(child.weight.dtype, child.weight.device):
                 swaps.append((parent, name, child))
     done = 0
     for parent, name, child in swaps:

@@ -100,6 +100,7 @@ class KVHandoffMixin:
         The lease ends after ``lease_s`` seconds: unless :meth:`admit_reserved` or :meth:`release_kv` came
         first, the next :meth:`step` frees the blocks. Raises NoFreeBlocksError when the pool is short.
         """
+        self._check_single_process("reserve_kv / import_kv (the KV hand-off)")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if num_tokens >= self.max_model_len:

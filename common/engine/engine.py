@@ -72,6 +72,9 @@ class LLMEngine(KVHandoffMixin):
         computed (k/v: copies, [n, bs, H, D]). It runs on the engine's thread and must not block."""
         self.config = config = config or EngineConfig()
         self.loaded = loaded
+        self.tensor_parallel = tp = loaded.tensor_parallel  # None on one process (common/engine/tensor_parallel)
+        if tp is not None and kv_layer_sink is not None:
+            raise ValueError("kv_layer_sink is not supported with tensor parallelism")
         self.tokenizer = loaded.tokenizer
         self.device = torch.device(loaded.device)
         if config.num_threads and self.device.type == "cpu":
@@ -79,9 +82,10 @@ class LLMEngine(KVHandoffMixin):
         model_cfg = loaded.config.get_text_config()
         self.vocab_size = int(model_cfg.vocab_size)
         self.max_model_len = self._resolve_max_model_len(loaded.max_model_len, config.max_model_len)
+        num_kv_heads = int(getattr(model_cfg, "num_key_value_heads", None) or model_cfg.num_attention_heads)
         self.kv_spec = KVCacheSpec(
             num_layers=int(model_cfg.num_hidden_layers),
-            num_kv_heads=int(getattr(model_cfg, "num_key_value_heads", None) or model_cfg.num_attention_heads),
+            num_kv_heads=num_kv_heads if tp is None else tp.local_kv_heads(loaded.model, num_kv_heads),
             head_dim=int(
                 getattr(model_cfg, "head_dim", None) or model_cfg.hidden_size // model_cfg.num_attention_heads
             ),
@@ -89,8 +93,10 @@ class LLMEngine(KVHandoffMixin):
             dtype=loaded.dtype,
         )
         num_blocks = self._resolve_num_blocks()
+        if tp is not None:  # every rank must hold the same block ids
+            num_blocks = tp.agree_min(num_blocks)
         loaded.model.set_attn_implementation(attention.register())
-        if config.cpu_packed_linear and packing_supported(loaded.dtype, self.device):
+        if config.cpu_packed_linear and packing_supported(loaded.dtype, self.device) and tp is None:
             pack_linear_layers(loaded.model)
         self.block_pool = BlockPool(num_blocks)
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
@@ -143,6 +149,17 @@ class LLMEngine(KVHandoffMixin):
             )
         return num_blocks
 
+    def _check_single_process(self, feature: str) -> None:
+        if self.tensor_parallel is not None:
+            raise ValueError(f"{feature}: not supported with tensor parallelism (tensor_parallel_size "
+                             f"{self.tensor_parallel.world_size}) yet")
+
+    def close(self) -> None:
+        """Release what the engine holds besides memory. With tensor parallelism, on the driver: stop the
+        follower ranks and leave the process group (the engine cannot step afterwards). Idempotent."""
+        if self.tensor_parallel is not None and self.tensor_parallel.is_driver:
+            self.tensor_parallel.close()
+
     # -- requests -----------------------------------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:
@@ -160,6 +177,8 @@ class LLMEngine(KVHandoffMixin):
         """Queue a prompt (text or token ids); returns the request id. Raises ValueError on bad input."""
         sampling = sampling or SamplingParams()
         sampling.validate(self.vocab_size)
+        if prefill_only:
+            self._check_single_process("prefill_only requests (the KV hand-off)")
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_prompt(prompt_ids)
         request = self._new_request(request_id, prompt_ids, sampling, prefill_only=prefill_only)
@@ -225,6 +244,7 @@ class LLMEngine(KVHandoffMixin):
 
     def attach_kv_tiers(self, tiers: KVTiers) -> None:
         """Spill evicted prefix blocks to ``tiers`` and look missing prefixes up there (prefix caching on)."""
+        self._check_single_process("KV spill tiers")
         self.kv_tiers = tiers
         self.block_pool.on_evict = lambda block, name: tiers.put(name, self.kv_cache.copy_block(block))
         self.scheduler.tier_loader = self._load_from_tiers
@@ -294,6 +314,8 @@ class LLMEngine(KVHandoffMixin):
                     self.counters.num_prefix_cache_queries += request.num_tokens
                     self.counters.num_prefix_cache_hits += request.num_cached_tokens
         batch = self.runner.prepare(sched.scheduled)
+        if self.tensor_parallel is not None:  # the follower ranks run the same forward pass
+            self.tensor_parallel.send_step(batch)
         if self.kv_layer_sink is not None:
             completing = [r for r, n in sched.scheduled if r.prefill_only and r.num_computed_tokens + n == r.num_tokens]
             if completing:

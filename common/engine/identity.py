@@ -1,8 +1,8 @@
 """What a prefill and a decode worker must agree on before KV moves between them.
 
 Built from a running engine; compared field by field so that a mismatch (a rolling upgrade that changed
-the weights, the dtype, the block size or the tokenizer; an older protocol) fails with every difference
-named instead of decoding garbage.
+the weights, the dtype, the quantization, the block size or the tokenizer; an older protocol) fails with every
+difference named instead of decoding garbage.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class ModelIdentity:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    quantization: str  # a QUANTIZATION_METHODS name: the weights' form changes the KV values they compute
 
     @classmethod
     def of_engine(cls, engine: LLMEngine) -> ModelIdentity:
@@ -45,12 +46,21 @@ class ModelIdentity:
             num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
+            quantization=engine.loaded.quantization,
         )
 
     def mismatches(self, other: ModelIdentity) -> list[str]:
         """``field: ours != theirs`` for every field that differs (empty when compatible)."""
-        ours, theirs = asdict(self), asdict(other)
+        ours, theirs = _comparable(asdict(self)), _comparable(asdict(other))
         return [f"{k}: {ours[k]!r} != {theirs[k]!r}" for k in ours if ours[k] != theirs[k]]
+
+
+def _comparable(fields: dict) -> dict:
+    # A peer older than the quantization field sends none, read as "": it could only run unquantized, so ""
+    # counts as "none" (mixed versions are not refused for that alone).
+    if fields["quantization"] == "":
+        fields["quantization"] = "none"
+    return fields
 
 
 def tokenizer_fingerprint(model_dir: str | Path) -> str:

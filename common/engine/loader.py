@@ -30,9 +30,14 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from common.engine.quantization import check_method, quantize_model
+
+if TYPE_CHECKING:
+    from common.engine.tensor_parallel import TensorParallelGroup
 
 MANIFEST_NAME = "SHA256SUMS"
 CHUNK_BYTES = 1 << 20  # hashing reads 1 MiB at a time
@@ -57,6 +62,9 @@ class LoadedModel:
     ``model`` is in eval mode on ``device`` with ``requires_grad`` off. ``eos_token_ids`` is the union, in
     order, of ``generation_config.eos_token_id`` (int or list) and ``tokenizer.eos_token_id``.
     ``max_model_len`` is the config's ``max_position_embeddings``, else the tokenizer's ``model_max_length``.
+    ``quantization``: the method applied to the linear layers (common/engine/quantization.py), "none" if none.
+    ``tensor_parallel``: this process's group when the model is sharded over several (its linear layers then
+    hold this rank's shard as DTensors; see common/engine/tensor_parallel.py), None on one process.
     """
 
     model: torch.nn.Module
@@ -69,25 +77,38 @@ class LoadedModel:
     fingerprint: str
     eos_token_ids: tuple[int, ...]
     max_model_len: int
+    quantization: str = "none"
+    tensor_parallel: TensorParallelGroup | None = None
 
 
 def load_model(model_dir: str | os.PathLike[str], *, dtype: str | torch.dtype | None = "auto",
                device: str | torch.device = "cpu", attn_implementation: str | None = None,
-               verify: bool = True, allow_pickle: bool = False) -> LoadedModel:
+               verify: bool = True, allow_pickle: bool = False, quantization: str = "none",
+               tensor_parallel: TensorParallelGroup | None = None) -> LoadedModel:
     """Load the causal LM in local directory ``model_dir`` offline.
 
     ``dtype``: see :func:`resolve_dtype` ("auto": the checkpoint's). ``verify``: check ``SHA256SUMS`` when
     present. ``allow_pickle``: load a directory whose only weights are pickle checkpoints (see the module
     docstring); without it such a directory is refused with a message naming its files and
-    ``--allow-pickle-weights``. Raises :class:`ModelLoadError` naming the path for a missing directory or
+    ``--allow-pickle-weights``. ``quantization``: a method of common/engine/quantization.py, applied once the
+    model is on ``device``. ``tensor_parallel``: shard the model over this process group by transformers'
+    tensor-parallel plan (every rank calls load_model alike; ``device`` is this rank's). Raises
+    :class:`ModelLoadError` naming the path for a missing directory or
     ``config.json``, a model type that is not a causal LM, no weights, refused pickle weights, a manifest
-    mismatch, an unavailable device, or weights transformers cannot load.
+    mismatch, an unavailable device, weights transformers cannot load, or attention heads that do not split
+    evenly over ``tensor_parallel``; ``QuantizationError`` (a ValueError),
+    before reading weights, for an unknown quantization method or one whose library is not installed.
     """
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    check_method(quantization)
     path = Path(model_dir).expanduser()
     raw_config = _check_directory(path)
+    if tensor_parallel is not None:
+        check_tensor_parallel_size(path, tensor_parallel.world_size, raw_config)
+        if quantization != "none":
+            raise ModelLoadError(f"quantization {quantization!r} is not supported with tensor parallelism")
     files = weight_files(path)
     pickled = not files[0].name.endswith(".safetensors")
     if pickled and not allow_pickle:
@@ -102,6 +123,8 @@ def load_model(model_dir: str | os.PathLike[str], *, dtype: str | torch.dtype | 
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         torch_dtype = resolve_dtype(dtype, config)
         extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+        if tensor_parallel is not None:
+            extra["distributed_config"] = tensor_parallel.distributed_config()
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=torch_dtype, local_files_only=True, use_safetensors=not pickled,
             weights_only=True, **extra
@@ -115,6 +138,7 @@ def load_model(model_dir: str | os.PathLike[str], *, dtype: str | torch.dtype | 
         raise ModelLoadError(f"cannot load model directory {path}: {exc}") from exc
     model = model.to(torch_device).eval()
     model.requires_grad_(False)
+    quantize_model(model, quantization)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -126,7 +150,24 @@ def load_model(model_dir: str | os.PathLike[str], *, dtype: str | torch.dtype | 
         fingerprint=_fingerprint(path, raw_config),
         eos_token_ids=_eos_token_ids(generation_config, tokenizer),
         max_model_len=_max_model_len(config, tokenizer),
+        quantization=quantization,
+        tensor_parallel=tensor_parallel,
     )
+
+
+def check_tensor_parallel_size(model_dir: str | os.PathLike[str], size: int,
+                               raw_config: dict[str, Any] | None = None) -> None:
+    """Raise ModelLoadError, naming the counts, unless ``size`` divides the query and KV heads of the model in
+    ``model_dir`` (its ``config.json``, or ``raw_config`` when given; a ``text_config`` when there is one)."""
+    raw = _check_directory(Path(model_dir)) if raw_config is None else raw_config
+    text = raw.get("text_config") or raw
+    num_heads = text.get("num_attention_heads")
+    num_kv_heads = text.get("num_key_value_heads") or num_heads
+    if not isinstance(size, int) or size < 1:
+        raise ModelLoadError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    if not isinstance(num_heads, int) or num_heads % size or num_kv_heads % size:
+        raise ModelLoadError(f"model directory {model_dir}: tensor_parallel_size {size} must divide the number of "
+                             f"attention heads ({num_heads}) and of KV heads ({num_kv_heads})")
 
 
 def resolve_dtype(name: str | torch.dtype | None, config: Any = None) -> torch.dtype:

@@ -75,4 +75,6 @@ def identity_to_proto(identity: ModelIdentity) -> types_pb2.ModelIdentity:
 
 
 def identity_from_proto(msg: types_pb2.ModelIdentity) -> ModelIdentity:
+    # A field the peer is too old to send reads as its zero value: quantization "" (ModelIdentity.mismatches
+    # counts it as "none").
     return ModelIdentity(**{f: getattr(msg, f) for f in ModelIdentity.__dataclass_fields__})

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 
+from common.engine.quantization import QUANTIZATION_METHODS
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", required=True, help="local Hugging Face model directory")
     g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (the checkpoint's)")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    g.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
+                   help="weight quantization of the linear layers (int8-weight-only: torchao, "
+                        "pip install 'pdserve[quant]'; default none)")
     g.add_argument("--allow-pickle-weights", action="store_true",
                    help="load a model directory that has only pickle weights (*.bin): UNSAFE, unpickling a file "
                         "can run code at load; use only for checkpoints you trust, prefer converting to safetensors")
@@ -22,6 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk-size", type=int, default=None,
                    help="most prompt tokens of one request per step (default: the step budget)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N processes of this host by transformers' tensor-parallel plan "
+                        "(gloo on cpu, one GPU each on cuda); N must divide the attention and KV heads")
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -30,6 +38,11 @@ def engine_from_args(args: argparse.Namespace):
     from common.engine.engine import LLMEngine
     from common.engine.loader import load_model
 
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device,
-                        allow_pickle=args.allow_pickle_weights)
-    return LLMEngine(loaded, EngineConfig.from_settings(args))
+    load_kwargs = dict(dtype=args.dtype, allow_pickle=args.allow_pickle_weights, quantization=args.quantization)
+    config = EngineConfig.from_settings(args)
+    tp_size = getattr(args, "tensor_parallel_size", 1)
+    if tp_size != 1:  # ranks 1..N-1 are spawned here; engine.close() stops them
+        from common.engine.tp_launcher import launch_engine
+
+        return launch_engine(args.model, config, tensor_parallel_size=tp_size, device=args.device, **load_kwargs)
+    return LLMEngine(load_model(args.model, device=args.device, **load_kwargs), config)

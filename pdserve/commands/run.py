@@ -101,10 +101,13 @@ def run(args: argparse.Namespace) -> int:
     for item in items:  # fail on bad sampling values before the model loads
         sampling_from_args(args, None, item.get("max_tokens")).validate()
     engine = engine_from_args(args)
-    gc = engine.loaded.generation_config
-    prompts = [it["prompt"] if "prompt" in it else it["prompt_ids"] for it in items]
-    params = [sampling_from_args(args, gc, it.get("max_tokens")) for it in items]
-    results = engine.generate(prompts, params)
+    try:
+        gc = engine.loaded.generation_config
+        prompts = [it["prompt"] if "prompt" in it else it["prompt_ids"] for it in items]
+        params = [sampling_from_args(args, gc, it.get("max_tokens")) for it in items]
+        results = engine.generate(prompts, params)
+    finally:
+        engine.close()  # with --tensor-parallel-size: stops the follower processes
     for item, res in zip(items, results):
         prompt_text = item.get("prompt")
         if prompt_text is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.engine.quantization import QUANTIZATION_METHODS
+
 
 def _help(text: str) -> dict:
     return {"help": text}
@@ -19,6 +21,12 @@ class WorkerConfig:
     )
     dtype: str = field(default="auto", metadata=_help("float32 | bfloat16 | float16 | auto"))
     device: str = field(default="cpu", metadata=_help("cpu | cuda | cuda:N"))
+    quantization: str = field(
+        default="none",
+        metadata={"help": "weight quantization of the linear layers: int8-weight-only needs torchao (pip install "
+                          "'pdserve[quant]'); prefill and decode workers must use the same",
+                  "choices": list(QUANTIZATION_METHODS)},
+    )
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
     port: int = field(default=0, metadata=_help("gRPC port (0: any free port)"))
     metrics_port: int = field(default=0, metadata=_help("HTTP port of /metrics, /healthz, /readyz (0: any free port)"))
