@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.kv_cache import KVCacheSpec
+from common.kv_transfer.staging import to_host
 
 MAGIC = b"PDKV"
 WIRE_VERSION = 1
@@ -194,7 +195,8 @@ def encode_chunk(
     """Encode K/V blocks ``[n, block_size, num_kv_heads, head_dim]`` of one layer as a chunk.
 
     Zero-copy for contiguous CPU tensors: the payload views their memory. A non-contiguous or non-CPU
-    tensor is copied once (``.contiguous().cpu()``). Computes the payload crc32 (one read of the payload).
+    tensor is copied once (:func:`~common.kv_transfer.staging.to_host`: pinned memory for CUDA tensors).
+    Computes the payload crc32 (one read of the payload).
     """
     rid = encode_request_id(request_id)
     check_kv(k, v)
@@ -202,8 +204,7 @@ def encode_chunk(
         raise WireFormatError(f"flags {flags:#x} has unknown bits")
     for name, value in [("layer", layer), ("first_block", first_block), ("seq", seq), ("total_chunks", total_chunks)]:
         _check_u32(name, value)
-    k = k.detach().contiguous().cpu()  # no-op (no copy) when already contiguous on the CPU
-    v = v.detach().contiguous().cpu()
+    k, v = to_host(k, v)  # no-op (no copy) when already contiguous on the CPU
     parts = (_byte_view(k), _byte_view(v))
     checksum = _crc32(parts[1], _crc32(parts[0]))
     header = ChunkHeader(
@@ -345,7 +346,8 @@ def iter_layer_chunks(
 
     Each chunk (header included) is at most ``max_chunk_bytes``, except that a chunk always carries at
     least one block. Chunks get seq ``first_seq, first_seq + 1, ...``; with ``last`` the final one is
-    flagged LAST. Blocks are encoded lazily, one chunk per iteration.
+    flagged LAST. Blocks are encoded lazily, one chunk per iteration; device tensors are staged to the host
+    once, for the whole layer, before the first chunk (:func:`~common.kv_transfer.staging.to_host`).
     """
     if max_chunk_bytes < 1:
         raise ValueError(f"max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
@@ -354,7 +356,7 @@ def iter_layer_chunks(
     n = k.shape[0]
     bytes_per_block = 2 * k[0].numel() * k.element_size()  # K and V
     per_chunk = max(1, (max_chunk_bytes - header_size_bytes(request_id)) // bytes_per_block)
-    k, v = k.contiguous(), v.contiguous()  # slices along dim 0 then stay contiguous (no copy per chunk)
+    k, v = to_host(k, v)  # contiguous on the host: slices along dim 0 stay contiguous (no copy per chunk)
     for i, start in enumerate(range(0, n, per_chunk)):
         end = min(n, start + per_chunk)
         flags = FLAG_LAST if last and end == n else 0

@@ -14,7 +14,8 @@ Where a figure lives:
 - each worker (engine-side): requests running and waiting, KV usage, prefix cache queries and hits, prompt
   and generation tokens computed, preemptions, queue, prefill and decode time per request, KV transfer
   seconds and bytes (``direction`` = ``sent`` on prefill, ``received`` on decode), encrypted shared-tier KV
-  blocks that failed authentication, Redis reachability.
+  blocks that failed authentication, Redis reachability; on CUDA with ``nvidia-ml-py`` installed, memory and
+  utilization of each GPU the worker uses (:mod:`common.metrics.gpu`; absent otherwise).
 """
 
 from __future__ import annotations
@@ -124,12 +125,20 @@ KV_TRANSFER_SECONDS = _m("kv_transfer_seconds", "histogram",
                          ("transport",), LATENCY_BUCKETS_S)
 KV_TRANSFER_BYTES = _m("kv_transfer_bytes", "counter", "KV bytes moved between workers.", ("direction",))
 KV_TRANSFER_FAILURES = _m("kv_transfer_failures", "counter", "KV transfers that failed, by gRPC status.", ("code",))
+GPU_MEMORY_USED = _m("gpu_memory_used_bytes", "gauge",
+                     "Memory in use on a GPU this worker runs on, all processes (NVML; CUDA workers with "
+                     "nvidia-ml-py only).", ("gpu",))
+GPU_MEMORY_TOTAL = _m("gpu_memory_total_bytes", "gauge",
+                      "Memory of a GPU this worker runs on (NVML; CUDA workers with nvidia-ml-py only).", ("gpu",))
+GPU_UTILIZATION = _m("gpu_utilization_ratio", "gauge",
+                     "Share of NVML's last sample period in which a kernel ran on a GPU this worker runs on, 0-1 "
+                     "(CUDA workers with nvidia-ml-py only).", ("gpu",))
 
 WORKER_METRICS = (REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_USED, KV_BLOCKS_TOTAL,
                   KV_BLOCKS_CACHED, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREFIX_CACHE_TIER_HITS,
                   KV_TIER_INTEGRITY_FAILURES, PROMPT_TOKENS, GENERATION_TOKENS, NUM_PREEMPTIONS, QUEUE_TIME,
                   PREFILL_TIME, DECODE_TIME, KV_TRANSFER_SECONDS, KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES,
-                  REDIS_UP)  # fmt: skip
+                  REDIS_UP, GPU_MEMORY_USED, GPU_MEMORY_TOTAL, GPU_UTILIZATION)  # fmt: skip
 
 
 def exposed_names(spec: MetricSpec) -> tuple[str, ...]:

@@ -3,7 +3,8 @@
 Gauges and counters of the engine are read at scrape time from the engine loop's latest
 :class:`~common.engine.engine_loop.EngineStats` snapshot (no lock, no work on the engine thread); the
 per-request histograms are observed as requests leave the engine (``observe_request``, on the engine
-thread); KV transfer figures are observed by the servicers.
+thread); KV transfer figures are observed by the servicers. GPU gauges come from a
+:class:`~common.metrics.gpu.GpuMonitor`, when the worker has one (CUDA and ``nvidia-ml-py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 from common.engine.counters import RequestTimings
 from common.engine.engine_loop import EngineStats
 from common.metrics import names as n
+from common.metrics.gpu import GpuCollector, GpuMonitor
 from common.metrics.registry import build
 
 _PRE_INITIALIZED_FAILURE_CODES = ("DATA_LOSS", "DEADLINE_EXCEEDED", "UNAVAILABLE")
@@ -51,10 +53,14 @@ class _EngineCollector(Collector):
 class WorkerMetrics:
     """Built by the worker's entry point; ``registry`` is what its HTTP front serves."""
 
-    def __init__(self, role: str, stats: Callable[[], EngineStats], redis_up: Callable[[], bool]) -> None:
+    def __init__(self, role: str, stats: Callable[[], EngineStats], redis_up: Callable[[], bool],
+                 gpu: GpuMonitor | None = None) -> None:
+        """``gpu``: the per-GPU gauges are exposed only with a monitor (None: no ``pdserve:gpu_*`` series)."""
         self.role = role
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats, redis_up))
+        if gpu is not None:
+            self.registry.register(GpuCollector(gpu))
         m = build((n.QUEUE_TIME, n.PREFILL_TIME, n.DECODE_TIME, n.KV_TRANSFER_SECONDS, n.KV_TRANSFER_BYTES,
                    n.KV_TRANSFER_FAILURES), self.registry)  # fmt: skip
         self._queue, self._prefill, self._decode = m[n.QUEUE_TIME.name], m[n.PREFILL_TIME.name], m[n.DECODE_TIME.name]

@@ -32,6 +32,7 @@ from common.engine.identity import ModelIdentity
 from common.engine.kv_tiers import KVTiers, RedisKVStore
 from common.engine.loader import load_model
 from common.http.server import HttpFront
+from common.metrics.gpu import GpuMonitor
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing
 from common.rpc.server import build_server
@@ -73,13 +74,13 @@ def build_engine(config: WorkerConfig) -> LLMEngine:
     if not config.model:
         raise ValueError("a worker needs --model (a local model directory)")
     loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                        allow_pickle=config.allow_pickle_weights)
+                        allow_pickle=config.allow_pickle_weights, quantization=config.quantization)
     return LLMEngine(loaded, EngineConfig.from_settings(config))
 
 
 def attach_kv_tiers(engine: LLMEngine, identity: ModelIdentity, config: WorkerConfig) -> None:
     """The prefix cache's spill tiers, when configured: host memory, then blocks shared through Redis by every
-    worker whose KV identity (model, dtype, block shape) and KV encryption key match.
+    worker whose KV identity (model, dtype, quantization, block shape) and KV encryption key match.
 
     A ``kv_encryption_key_file`` is read even when no shared tier uses it, so a bad key file fails the start
     (ValueError naming the file)."""
@@ -90,6 +91,8 @@ def attach_kv_tiers(engine: LLMEngine, identity: ModelIdentity, config: WorkerCo
     if config.kv_shared_cache_blocks:
         spec = engine.kv_spec
         space = f"{identity.model_fingerprint[:16]}-{str(spec.dtype).removeprefix('torch.')}-{spec.block_size}"
+        if identity.quantization != "none":  # quantized weights compute other KV (unquantized: the older space)
+            space += f"-{identity.quantization}"
         shared = RedisKVStore(connect(config.redis_url), prefix=config.redis_prefix, space=space,
                               shape=(spec.num_layers, 2, spec.num_kv_heads, spec.block_size, spec.head_dim),
                               dtype=spec.dtype, ttl_s=config.kv_shared_cache_ttl_s,
@@ -124,7 +127,9 @@ def serve_worker(
     identity = ModelIdentity.of_engine(engine)
     attach_kv_tiers(engine, identity, config)
     heartbeater: Heartbeater | None = None
-    metrics = WorkerMetrics(role, lambda: loop.stats, lambda: heartbeater is not None and heartbeater.connected)
+    gpu = GpuMonitor.for_device(engine.device)  # None on the CPU or without nvidia-ml-py: no GPU figures
+    metrics = WorkerMetrics(role, lambda: loop.stats, lambda: heartbeater is not None and heartbeater.connected,
+                            gpu=gpu)
     loop = EngineLoop(engine, name=f"{role}-engine", on_request_finished=metrics.observe_request).start()
     tracing = Tracing(f"pdserve-{role}", config.otlp_endpoint)
     parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
@@ -148,7 +153,8 @@ def serve_worker(
         stats = loop.stats
         redis_state = "ok" if heartbeater is not None and heartbeater.connected else "degraded"
         return {"role": role, "id": worker_id, "redis": redis_state, "num_requests_running": stats.num_requests_running,
-                "num_requests_waiting": stats.num_requests_waiting, **(parts.details() if parts.details else {})}
+                "num_requests_waiting": stats.num_requests_waiting, **(parts.details() if parts.details else {}),
+                **({"gpu": gpu.health()} if gpu is not None else {})}
 
     if config.warmup_file:  # before serving: the router's first view already finds the prefixes cached
         result = warm_up(loop, prompt_ids(loop, read_warmup_file(config.warmup_file)))
@@ -221,6 +227,8 @@ def serve_worker(
     http.stop()
     if parts.on_stop is not None:
         parts.on_stop()
+    if gpu is not None:
+        gpu.close()
     loop.stop()
     tracing.shutdown()
     log.info("%s worker %s stopped", role, worker_id)

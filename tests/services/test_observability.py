@@ -105,6 +105,7 @@ def test_health_endpoints_report_readiness_and_role_figures(cluster):
     assert code == 200 and body["status"] == "ready" and body["kv_blocks_total"] > 0 and "kv_cache_usage" in body
     code, body = get_json(f"http://{cluster.metrics['prefill-0']}/healthz")
     assert code == 200 and body["status"] == "alive" and body["queue"] == 0
+    assert "gpu" not in body  # a CPU worker: no NVML figures (common.metrics.gpu)
     assert get_json(f"http://{cluster.router_http}/nope")[0] == 404
 
 
