@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run run-engine test bench bench-disagg bench-cluster bench-http bench-reuse bench-soak clean
+.PHONY: setup run run-engine test bench bench-disagg bench-cluster bench-http bench-reuse bench-soak bench-quant bench-roofline bench-overhead gpu-check clean
 
 # torch is pinned to the CPU build that lies on these machines' disk; see README for CUDA machines.
 $(BIN)/.installed: pyproject.toml
@@ -51,7 +51,7 @@ build/promtool:
 		rm -rf "$$tmp"
 
 bench: $(BIN)/.installed
-	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/engine_throughput.py $(ARGS)
 
 bench-disagg: $(BIN)/.installed
 	$(BIN)/python benchmarks/disagg_overhead.py
@@ -67,6 +67,23 @@ bench-reuse: $(BIN)/.installed
 
 bench-soak: $(BIN)/.installed
 	$(BIN)/python benchmarks/soak.py --json build/soak.json
+
+# Prefill and single-stream decode as fractions of this machine's FLOP and bandwidth roofline (ARGS="--size 350m")
+bench-roofline: $(BIN)/.installed
+	$(BIN)/python benchmarks/roofline.py $(ARGS)
+
+# 16 concurrent streams through the router of a local cluster against the bare engine
+bench-overhead: $(BIN)/.installed
+	$(BIN)/python benchmarks/cluster_overhead.py $(ARGS)
+
+# int8 weight-only quantization against fp32 on the 60M Llama (ARGS="--dtype bfloat16" for bf16)
+bench-quant: $(BIN)/.installed
+	$(BIN)/python benchmarks/quantization.py $(ARGS)
+
+# One prepared check on a GPU machine (no set-up: it runs with whatever python there has torch); ARGS=... passes
+# flags, e.g. make gpu-check ARGS="--device cpu --quick". With $$OUT set, the table and JSON land there too.
+gpu-check:
+	benchmarks/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV) build

@@ -86,12 +86,47 @@ class RequestStream:
             raise StreamClosed(f"request {self.request_id}: {self._error}") from self._error
         return item
 
+    def get_pending(self, timeout_s: float | None = None) -> RequestOutput:
+        """The next output merged with every later one already queued (one output of several tokens): a reader
+        that fell behind the steps catches up in one message, and a reader that keeps up gets each output as
+        soon as it exists (nothing waits to be merged). Same errors as :meth:`get`."""
+        first = self.get(timeout_s)
+        merged = [first]
+        while not (merged[-1].finished or merged[-1].prefilled):
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is self._END:
+                self._queue.put(self._END)  # the next get() raises it
+                break
+            merged.append(item)
+        return first if len(merged) == 1 else merge_outputs(merged)
+
     def __iter__(self):
         while True:
             out = self.get()
             yield out
             if out.finished or out.prefilled:
                 return
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: tokens, text and logprobs concatenated, the rest the last's."""
+    logprobs = None
+    if any(o.new_logprobs is not None for o in outs):
+        logprobs = [lp for o in outs for lp in (o.new_logprobs or [None] * len(o.new_token_ids))]
+    last = outs[-1]
+    return RequestOutput(
+        request_id=last.request_id,
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outs),
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        new_logprobs=logprobs,
+        prefilled=last.prefilled,
+        times=last.times,
+    )
 
 
 class EngineLoop:

@@ -239,7 +239,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         context.add_callback(lambda: self.loop.submit(lambda e: e.abort(rid)))  # no-op once finished
         try:
             while True:
-                out = stream.get(timeout_s=self.stream_timeout_s)
+                out = stream.get_pending(timeout_s=self.stream_timeout_s)  # several tokens if the client lags
                 yield worker_pb2.DecodeResponse(
                     token_ids=out.new_token_ids,
                     text=out.new_text,

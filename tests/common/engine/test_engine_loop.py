@@ -126,3 +126,39 @@ def test_get_times_out_instead_of_hanging(loop):
     with pytest.raises(queue.Empty):
         stream.get(timeout_s=0.05)
     loop.call(lambda e: e.release_kv("r2"))
+
+
+def _out(tokens, text, *, finished=False, logprobs=None):
+    from common.engine.request import FinishReason, RequestOutput
+
+    return RequestOutput("r", tokens, text, finished, FinishReason.LENGTH if finished else None, logprobs)
+
+
+def test_get_pending_merges_what_is_queued_and_never_waits_for_more():
+    from common.engine.engine_loop import RequestStream
+
+    stream = RequestStream("r")
+    stream._put(_out([1], "a"))
+    assert stream.get_pending(timeout_s=1).new_token_ids == [1]  # alone: returned at once, as it is
+    stream._put(_out([2], "b"))
+    stream._put(_out([3], "c", logprobs=["lp3"]))
+    stream._put(_out([4, 5], "de", finished=True))
+    stream._put(_out([9], "late"))  # never merged past the finished output
+    merged = stream.get_pending(timeout_s=1)
+    assert (merged.new_token_ids, merged.new_text, merged.finished) == ([2, 3, 4, 5], "bcde", True)
+    assert merged.new_logprobs == [None, "lp3", None, None]  # aligned with the tokens
+    assert stream.get_pending(timeout_s=1).new_token_ids == [9]
+    with pytest.raises(queue.Empty):
+        stream.get_pending(timeout_s=0.05)
+
+
+def test_get_pending_returns_what_came_before_an_error_then_raises():
+    from common.engine.engine_loop import RequestStream
+
+    stream = RequestStream("r")
+    stream._put(_out([1], "a"))
+    stream._put(_out([2], "b"))
+    stream._fail(RuntimeError("step failed"))
+    assert stream.get_pending(timeout_s=1).new_token_ids == [1, 2]
+    with pytest.raises(StreamClosed, match="step failed"):
+        stream.get_pending(timeout_s=1)

@@ -1,0 +1,228 @@
+"""How close the engine runs to this machine's roofline, measured in one run.
+
+1. The machine: matmul FLOP/s in fp32 and bf16 (square matmuls, best of several) and memory bandwidth
+   (a large tensor copy; read + write bytes over time).
+2. Prefill: one prompt of --prompt-len tokens through the engine (``max_new_tokens`` 1), as a fraction of
+   the FLOP roofline of the model's dtype. FLOPs of a prompt: 2 x (non-embedding parameters) per token, plus
+   the causal attention products (QK^T and AV: 2 x 2 x layers x heads x head_dim x (n^2 + n) / 2), plus the
+   LM head once (``logits_to_keep``: only the last token's logits are computed).
+3. Single-stream decode: one request (--decode-prompt-len prompt tokens, --decode-tokens new tokens), its
+   decode steps as a fraction of the bandwidth roofline: each step reads every weight the step uses (all
+   parameters but the embedding table, of which it reads one row; the LM head counts even when tied to the
+   embeddings) and the KV of its context.
+Stock transformers (``generate``, default attention) runs the same prefill and decode for comparison, so the
+engine's fractions sit next to HF's from the same run.
+
+  python benchmarks/roofline.py [--model DIR] [--size 60m|350m] [--dtype float32|bfloat16] [--threads 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from common.engine.config import EngineConfig  # noqa: E402
+from common.engine.engine import LLMEngine  # noqa: E402
+from common.engine.loader import load_model  # noqa: E402
+from common.engine.sampling_params import SamplingParams  # noqa: E402
+
+BUILD = Path(__file__).resolve().parents[1] / "build"
+
+
+def best_of(fn, repeats: int) -> float:
+    """Shortest wall time of ``repeats`` calls (after one warm-up call)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    return 2 * n**3 / best_of(lambda: torch.mm(a, b, out=out), repeats)
+
+
+def copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes moved per second by a large copy: each byte is read once and written once."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / best_of(lambda: dst.copy_(src), repeats)
+
+
+class ModelShape:
+    def __init__(self, model: torch.nn.Module, config) -> None:
+        cfg = config.get_text_config()
+        self.layers = int(cfg.num_hidden_layers)
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
+        embed = model.get_input_embeddings().weight
+        head = model.get_output_embeddings().weight
+        params = {id(p): p for p in model.parameters()}
+        self.total_params = sum(p.numel() for p in params.values())
+        self.embed_params = embed.numel()
+        self.head_params = head.numel()
+        self.tied = head.data_ptr() == embed.data_ptr()
+        # non-embedding parameters, each token multiplies through all of them once (LM head apart)
+        self.body_params = self.total_params - self.embed_params - (0 if self.tied else self.head_params)
+        self.elem = embed.element_size()
+
+    def prefill_flops(self, n: int) -> float:
+        attn = 2 * 2 * self.layers * self.heads * self.head_dim * (n * n + n) / 2
+        return 2 * self.body_params * n + attn + 2 * self.head_params
+
+    def decode_step_bytes(self, context: int) -> float:
+        weights = (self.body_params + self.head_params) * self.elem
+        kv = 2 * self.layers * self.kv_heads * self.head_dim * context * self.elem
+        return weights + kv
+
+
+def engine_prefill_s(engine: LLMEngine, prompt: list[int]) -> float:
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    return best_of(lambda: engine.generate([prompt], params), 2)
+
+
+def engine_decode(engine: LLMEngine, prompt: list[int], new: int) -> tuple[float, list[int]]:
+    """Seconds of the ``new - 1`` decode steps after the first token (prefill excluded), and the tokens."""
+    engine.add_request(prompt, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+    tokens: list[int] = []
+    t_first = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        if t_first is None and tokens:
+            t_first = time.perf_counter()
+    return time.perf_counter() - t_first, tokens
+
+
+def hf_prefill_s(model, prompt: list[int]) -> float:
+    ids = torch.tensor([prompt])
+
+    def run():
+        with torch.inference_mode():
+            model(input_ids=ids, logits_to_keep=1)
+
+    return best_of(run, 2)
+
+
+def hf_decode(model, prompt: list[int], new: int, pad_id: int) -> tuple[float, list[int]]:
+    """Seconds of HF generate's ``new - 1`` decode steps (a 1-token generate's time subtracted)."""
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=pad_id)
+        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
+
+    t_one = min(gen(1)[0] for _ in range(2))
+    t_all, tokens = gen(new)
+    return t_all - t_one, tokens
+
+
+def model_dir_for(args) -> str:
+    if args.model:
+        return args.model
+    path = BUILD / f"llama-{args.size}"
+    if not (path / "config.json").exists():
+        from common.models.tiny import build_tiny
+
+        build_tiny("llama", path, size=args.size)
+    return str(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="model directory (default: build/llama-SIZE, built if missing)")
+    ap.add_argument("--size", default="60m", choices=("60m", "350m"))
+    ap.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (the checkpoint's)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=2048, help="prefill prompt tokens")
+    ap.add_argument("--decode-prompt-len", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--no-hf", action="store_true", help="skip stock transformers' figures")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = model_dir_for(args)
+
+    peak = {"float32": matmul_flops(torch.float32), "bfloat16": matmul_flops(torch.bfloat16)}
+    bandwidth = copy_bandwidth()
+    loaded = load_model(path, dtype=args.dtype)
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    shape = ModelShape(loaded.model, loaded.config)
+    hf = None if args.no_hf else load_model(path, dtype=args.dtype).model
+    max_len = max(args.prompt_len + 1, args.decode_prompt_len + args.decode_tokens) + 16
+    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=16, max_model_len=max_len,
+                                            max_num_batched_tokens=max(2048, args.prompt_len), prefix_caching=False))
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.vocab_size
+    prompt = torch.randint(4, vocab, (args.prompt_len,), generator=g).tolist()
+    dprompt = torch.randint(4, vocab, (args.decode_prompt_len,), generator=g).tolist()
+    engine.generate([dprompt[:64]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+
+    flops = shape.prefill_flops(args.prompt_len)
+    mean_ctx = args.decode_prompt_len + args.decode_tokens / 2
+    step_bytes = shape.decode_step_bytes(int(mean_ctx))
+    steps = args.decode_tokens - 1
+    result = {
+        "machine": platform.machine(), "threads": args.threads, "torch": torch.__version__, "model": path,
+        "dtype": dtype, "params": shape.total_params, "tied_embeddings": shape.tied,
+        "matmul_gflops": {k: v / 1e9 for k, v in peak.items()}, "copy_gb_s": bandwidth / 1e9,
+        "prefill_tokens": args.prompt_len, "prefill_gflop": flops / 1e9,
+        "decode_step_mb": step_bytes / 1e6, "decode_roofline_tok_s": bandwidth / step_bytes,
+    }
+    t = engine_prefill_s(engine, prompt)
+    result["engine_prefill_tok_s"] = args.prompt_len / t
+    result["engine_prefill_of_peak"] = flops / t / peak[dtype]
+    t, engine_tokens = engine_decode(engine, dprompt, args.decode_tokens)
+    result["engine_decode_tok_s"] = steps / t
+    result["engine_decode_of_roofline"] = steps / t / result["decode_roofline_tok_s"]
+    if hf is not None:
+        pad_id = loaded.tokenizer.pad_token_id or 0
+        t = hf_prefill_s(hf, prompt)
+        result["hf_prefill_tok_s"] = args.prompt_len / t
+        result["hf_prefill_of_peak"] = flops / t / peak[dtype]
+        t, hf_tokens = hf_decode(hf, dprompt, args.decode_tokens, pad_id)
+        result["hf_decode_tok_s"] = steps / t
+        result["hf_decode_of_roofline"] = steps / t / result["decode_roofline_tok_s"]
+        result["engine_equals_hf"] = engine_tokens == hf_tokens
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"machine: matmul fp32 {result['matmul_gflops']['float32']:.0f} GFLOP/s, "
+          f"bf16 {result['matmul_gflops']['bfloat16']:.0f} GFLOP/s, copy {result['copy_gb_s']:.1f} GB/s "
+          f"({args.threads} threads, torch {torch.__version__})")
+    print(f"model: {path} ({shape.total_params / 1e6:.0f}M params, {dtype}, tied embeddings {shape.tied})")
+    print(f"prefill of {args.prompt_len} tokens ({flops / 1e9:.1f} GFLOP; roofline {peak[dtype] / 1e9:.0f} GFLOP/s):")
+    print(f"  engine {result['engine_prefill_tok_s']:8.0f} tok/s  {result['engine_prefill_of_peak']:6.1%} of peak")
+    if hf is not None:
+        print(f"  HF     {result['hf_prefill_tok_s']:8.0f} tok/s  {result['hf_prefill_of_peak']:6.1%} of peak")
+    print(f"single-stream decode, context {args.decode_prompt_len}..{args.decode_prompt_len + args.decode_tokens} "
+          f"({step_bytes / 1e6:.0f} MB a step; roofline {result['decode_roofline_tok_s']:.0f} tok/s):")
+    print(f"  engine {result['engine_decode_tok_s']:8.1f} tok/s  "
+          f"{result['engine_decode_of_roofline']:6.1%} of roofline")
+    if hf is not None:
+        print(f"  HF     {result['hf_decode_tok_s']:8.1f} tok/s  {result['hf_decode_of_roofline']:6.1%} of roofline"
+              f"   (engine tokens == HF tokens: {result['engine_equals_hf']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
