@@ -47,7 +47,8 @@ RUN python3 -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}" \
         --index-url https://download.pytorch.org/whl/cu128
 COPY --from=wheel /wheels /wheels
-RUN /opt/venv/bin/pip install --no-cache-dir /wheels/*.whl
+# extras: gpu (nvidia-ml-py: the pdserve:gpu_* gauges) and quant (torchao: --quantization int8-weight-only)
+RUN /opt/venv/bin/pip install --no-cache-dir --find-links /wheels "pdserve[gpu,quant]"
 
 # -- 3. runtime targets: keep these two blocks identical below their FROM/COPY lines --------------------------
 # (tests/deploy/test_dockerfile.py checks that they are).
