@@ -56,7 +56,7 @@ class Pods:
 
     def local(self, text: str, component: str = "") -> str:
         text = text.replace("$(POD_IP)", "127.0.0.1").replace("$(POD_NAME)", self.pod_names.get(component, ""))
-        text = text.replace("0.0.0.0", "127.0.0.1")
+        text = text.replace("0.0.0.0", "127.0.0.1").replace("redis-server ", "redis-server --bind 127.0.0.1 ")
         text = re.sub(r"\brel-pdserve-(router|redis)\b(?=[:/])", "127.0.0.1", text)
         pod_paths = "|".join(re.escape(p) for p in sorted(self.paths, key=len, reverse=True))
         return re.sub(rf"(?<![\w/])({pod_paths})(?=/|\b)", lambda m: str(self.paths[m[1]]), text)  # one pass
@@ -84,7 +84,8 @@ class Pods:
     def start(self, component: str, container: dict) -> None:
         log = open(self.root / f"{component}.log", "w")
         self.procs[component] = subprocess.Popen(self.argv(component, container), env=self.env(component, container),
-                                                 stdout=log, stderr=subprocess.STDOUT, cwd=self.paths["/tmp"])
+                                                 stdout=log, stderr=subprocess.STDOUT, cwd=self.paths["/tmp"],
+                                                 start_new_session=True)  # stop() ends what a `sh -c` started too
 
     def log(self, component: str) -> str:
         return (self.root / f"{component}.log").read_text()[-3000:]
@@ -123,14 +124,22 @@ class Pods:
 
     def stop(self) -> None:
         for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
+            _signal_group(proc, signal.SIGTERM)
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                _signal_group(proc, signal.SIGKILL)
                 proc.wait()
+            _signal_group(proc, signal.SIGKILL)  # a child left behind by a shell that already exited
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the process group of ``proc`` (started with ``start_new_session``); gone already: nothing."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def loopback_values() -> dict:
@@ -226,8 +235,10 @@ def test_the_bundled_redis_command_runs_a_real_redis_that_the_rendered_url_reach
     c = r.container("redis")
     assert c["command"] == ["sh", "-c"] and " --dir /data " in c["args"][0]
     env = {"PATH": os.environ["PATH"], **{e["name"]: r.env_value(c, e["name"]) for e in c.get("env", [])}}
-    proc = subprocess.Popen(["sh", "-c", c["args"][0].replace("--dir /data", f"--dir {tmp_path}")], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = c["args"][0].replace("--dir /data", f"--dir {tmp_path}")
+    line = line.replace("redis-server ", "redis-server --bind 127.0.0.1 ")  # a test's server: loopback only
+    proc = subprocess.Popen(["sh", "-c", line], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # the pipe keeps `sh` as redis-server's parent: end the group
     try:
         url = r.env_value(r.container("router"), "PDSERVE_REDIS_URL").replace("@rel-pdserve-redis:", "@127.0.0.1:")
         url = url.replace("//rel-pdserve-redis:", "//127.0.0.1:")
@@ -247,5 +258,6 @@ def test_the_bundled_redis_command_runs_a_real_redis_that_the_rendered_url_reach
                 redis.Redis(port=port, socket_timeout=2).ping()
             assert redis.Redis(port=port, password=password, socket_timeout=2).ping() is True
     finally:
-        proc.terminate()
+        _signal_group(proc, signal.SIGTERM)
         proc.wait(timeout=10)
+        _signal_group(proc, signal.SIGKILL)
