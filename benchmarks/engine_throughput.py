@@ -36,13 +36,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from bench_models import model_dir  # noqa: E402
 
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
 from common.engine.loader import load_model  # noqa: E402
 from common.engine.sampling_params import SamplingParams  # noqa: E402
-
-BUILD = Path(__file__).resolve().parents[1] / "build"
 
 
 def workload(name: str, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -111,11 +110,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    args.model = args.model or str(BUILD / f"llama-{args.size}")
-    if not Path(args.model, "config.json").exists():
-        from common.models.tiny import build_tiny
-
-        build_tiny("llama", args.model, size=args.size)
+    args.model = model_dir(args.model, args.size)
     hf = load_model(args.model, dtype=args.dtype).model  # stock attention (sdpa)
     loaded = load_model(args.model, dtype=args.dtype)
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=64, max_model_len=1024))

@@ -35,6 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from bench_models import model_dir  # noqa: E402
 
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
@@ -42,7 +43,6 @@ from common.engine.loader import load_model  # noqa: E402
 from common.engine.quantization import weight_bytes  # noqa: E402
 from common.engine.sampling_params import SamplingParams  # noqa: E402
 
-BUILD = Path(__file__).resolve().parents[1] / "build"
 VARIANTS = ("none", "int8-weight-only")
 PREFILL_LEN = 512
 DECODE_PROMPT_LEN = 128
@@ -157,14 +157,10 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    args.model = args.model or str(BUILD / f"llama-{args.size}")
+    args.model = model_dir(args.model, args.size)
     if args.variant is not None:
         print(json.dumps(measure(args, args.variant)))
         return 0
-    if not Path(args.model, "config.json").exists():
-        from common.models.tiny import build_tiny
-
-        build_tiny("llama", args.model, size=args.size)
     forwarded = ["--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads),
                  "--decode-tokens", str(args.decode_tokens)]
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}

@@ -31,13 +31,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from bench_models import model_dir  # noqa: E402
 
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
 from common.engine.loader import load_model  # noqa: E402
 from common.engine.sampling_params import SamplingParams  # noqa: E402
-
-BUILD = Path(__file__).resolve().parents[1] / "build"
 
 
 def best_of(fn, repeats: int) -> float:
@@ -136,17 +135,6 @@ def hf_decode(model, prompt: list[int], new: int, pad_id: int) -> tuple[float, l
     return t_all - t_one, tokens
 
 
-def model_dir_for(args) -> str:
-    if args.model:
-        return args.model
-    path = BUILD / f"llama-{args.size}"
-    if not (path / "config.json").exists():
-        from common.models.tiny import build_tiny
-
-        build_tiny("llama", path, size=args.size)
-    return str(path)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model directory (default: build/llama-SIZE, built if missing)")
@@ -160,7 +148,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    path = model_dir_for(args)
+    path = model_dir(args.model, args.size)
 
     # bf16 at n=1024: a CPU without native bf16 (no AVX512-BF16/AMX) runs it at ~1 GFLOP/s, n=2048 takes minutes
     peak = {"float32": matmul_flops(torch.float32), "bfloat16": matmul_flops(torch.bfloat16, n=1024, repeats=2)}
