@@ -37,6 +37,10 @@ class AttentionGroup:
     ``token_index`` is ``None`` for the decode group: its queries are the packed tokens
     ``[token_start, token_start + B)``, one per sequence. Otherwise ``token_index`` [B, Q] maps each
     (sequence, query) to its packed token (padding → 0) and ``valid`` [B, Q] marks the real queries.
+
+    ``first_block`` is set for a decode group of one sequence whose blocks are the consecutive ids from
+    ``first_block`` on, with ``num_keys`` its length: its keys are then read in place
+    (:meth:`PagedKVCache.contiguous`), no gather, no mask.
     """
 
     gather_index: torch.Tensor  # what PagedKVCache.gather reads: the group's block table [B, nb], flattened
@@ -44,6 +48,8 @@ class AttentionGroup:
     token_start: int = 0
     token_index: torch.Tensor | None = None  # [B, Q] int64
     valid: torch.Tensor | None = None  # [B, Q] bool
+    first_block: int | None = None
+    num_keys: int = 0
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, num_keys: int, sliding_window: int | None) -> torch.Tensor:
@@ -74,6 +80,28 @@ class AttentionMetadata:
 
     def gather(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv_cache.gather(layer, group.gather_index, group.query_pos.shape[0])
+
+
+def _in_place_attention(
+    group: AttentionGroup,
+    meta: AttentionMetadata,
+    layer: int,
+    q_tok: torch.Tensor,  # [1, Hq, D]: the one decode query, at position num_keys - 1
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Attention of one decode query over its sequence's consecutive blocks, read in place: [1, 1, Hq, D].
+
+    The keys are exactly the visible ones (``[first, num_keys)``), so no mask is needed."""
+    n = group.num_keys
+    first = 0 if sliding_window is None else max(0, n - sliding_window)
+    k, v = meta.kv_cache.contiguous(layer, group.first_block, n)  # [1, Hkv, n, D]
+    k, v = k[:, :, first:].to(q_tok.dtype), v[:, :, first:].to(q_tok.dtype)
+    h_kv, d = k.shape[1], k.shape[3]
+    h_q = q_tok.shape[1]
+    q = q_tok.view(1, h_kv, h_q // h_kv, d)  # the query heads of each KV head on the query axis
+    out = F.scaled_dot_product_attention(q, k, v, scale=scaling)  # [1, Hkv, g, D]
+    return out.view(1, 1, h_q, d)
 
 
 def _group_attention(
@@ -125,6 +153,8 @@ def paged_attention(
     num_tokens, h_q, d = q_tok.shape
     if len(meta.groups) == 1 and meta.groups[0].token_index is None:  # decode only: no scatter
         group = meta.groups[0]
+        if group.first_block is not None:
+            return _in_place_attention(group, meta, layer, q_tok, scaling, sliding_window), None
         k, v = meta.gather(layer, group)
         out = _group_attention(group, q_tok, k.to(query.dtype), v.to(query.dtype), scaling, sliding_window)
         return out.view(1, num_tokens, h_q, d), None

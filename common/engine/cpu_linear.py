@@ -8,6 +8,15 @@ small batches of decoding: measured here (2 cores, fp32), a 16-row matmul with t
 :func:`pack_linear_layers` swaps every ``nn.Linear`` of a model for a :class:`PackedLinear` in place. The
 model is the engine's own: the swap keeps ``weight`` (packed) and ``bias`` as attributes, so code that reads
 ``module.weight.dtype`` or ``.shape`` still works, but the packed tensor is meant for oneDNN only.
+
+Before packing, sibling projections that read the same input (``q_proj``/``k_proj``/``v_proj`` of an
+attention block, ``gate_proj``/``up_proj`` of a gated MLP) are fused into one packed matmul
+(:class:`FusedLinear`): the model's own forward still calls each projection, the first call computes all of
+them and the others take their column slice. One wide matmul streams the weights faster than three narrow
+ones at decode batch sizes (measured here, 60M model, 8 layers at one token: 5.7 ms → 4.5 ms per step).
+
+:func:`fuse_rms_norms` swaps Llama-style RMSNorm modules (``weight * x / rms(x)``, computed in fp32) for one
+fused ``F.rms_norm`` call each (~25 µs → ~16 µs per call at one token, 17 calls a step on that model).
 """
 
 from __future__ import annotations
@@ -21,6 +30,12 @@ log = logging.getLogger(__name__)
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+# sibling projections of one block that read the same input, in the order the models call them
+_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# RMSNorm classes computing weight * (x / sqrt(mean(x^2) + eps)) in fp32 (Gemma's 1 + weight is not one)
+_LLAMA_STYLE_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+
+
 class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -30,6 +45,16 @@ class PackedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(packed, requires_grad=False)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
 
+    @classmethod
+    def concatenated(cls, linears: list[torch.nn.Linear]) -> PackedLinear:
+        """One packed layer whose output is the outputs of ``linears`` side by side."""
+        cat = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
+                              bias=linears[0].bias is not None, device="meta")  # fmt: skip
+        cat.weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+        if cat.bias is not None:
+            cat.bias = torch.nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
+        return cls(cat)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
 
@@ -37,26 +62,143 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class FusedLinear(torch.nn.Module):
+    """Sibling linear layers as one packed matmul; the model calls them through their :class:`LinearSlice`.
+
+    The output of the last input is kept until every part has been served once (or a new input arrives),
+    so each forward pass computes the product once and holds it no longer than the block runs.
+    """
+
+    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+        super().__init__()
+        self.linear = PackedLinear.concatenated(linears)
+        ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
+        self.bounds = list(zip([0, *ends[:-1]], ends))
+        # [input, its product, parts not yet served]: a plain list, as nn.Module.__setattr__ costs ~2 µs a field
+        self._last: list = [None, None, 0]
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        last = self._last
+        if x is not last[0]:
+            last[0], last[1], last[2] = x, self.linear(x), len(self.bounds)
+        lo, hi = self.bounds[index]
+        out = last[1][..., lo:hi]
+        last[2] -= 1
+        if last[2] == 0:
+            last[0] = last[1] = None
+        return out
+
+
+class LinearSlice(torch.nn.Module):
+    """Stands where one of a :class:`FusedLinear`'s layers stood: its output columns of the fused product."""
+
+    def __init__(self, fused: FusedLinear, index: int, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self._fused = (fused,)  # not a submodule: the parent registers the fused layer once
+        self.index = index
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fused[0].part(self.index, x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, part={self.index}"
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """A Llama-style RMSNorm as one ``F.rms_norm`` call (fp32 math; bf16 in and out like the original)."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = float(norm.variance_epsilon)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return torch.nn.functional.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * torch.nn.functional.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
+
+
+def fuse_rms_norms(model: torch.nn.Module) -> int:
+    """Replace each Llama-style RMSNorm of ``model`` by a :class:`FusedRMSNorm` whose output matches it on a
+    random input; returns how many."""
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ not in _LLAMA_STYLE_NORMS or not hasattr(child, "variance_epsilon"):
+                continue
+            fused = FusedRMSNorm(child)
+            with torch.inference_mode():
+                x = torch.randn(3, child.weight.shape[-1], dtype=child.weight.dtype, device=child.weight.device)
+                tol = 1e-5 if x.dtype == torch.float32 else 1e-2
+                if not torch.allclose(fused(x).float(), child(x).float(), rtol=tol, atol=tol):
+                    log.warning("keeping %s for %s: fused result differs", type(child).__name__, name)
+                    continue
+            setattr(parent, name, fused)
+            done += 1
+    return done
+
+
+def _fuse_siblings(model: torch.nn.Module) -> int:
+    """Fuse each group of :data:`_SIBLINGS` that are plain packable ``nn.Linear`` layers of one input size,
+    dtype and bias-ness; returns how many layers were fused."""
+    done = 0
+    for parent in list(model.modules()):
+        for names in _SIBLINGS:
+            layers = [getattr(parent, n, None) for n in names]
+            if not all(type(m) is torch.nn.Linear and _plain(m) for m in layers):
+                continue
+            first = layers[0]
+            if any(m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
+                   or (m.bias is None) != (first.bias is None) for m in layers):  # fmt: skip
+                continue
+            if not packing_supported(first.weight.dtype, first.weight.device):
+                continue
+            try:
+                fused = FusedLinear(layers)
+                with torch.inference_mode():
+                    x = torch.randn(3, first.in_features, dtype=first.weight.dtype)
+                    tol = 1e-3 if x.dtype == torch.float32 else 1e-1
+                    ok = all(torch.allclose(fused.part(i, x), m(x), rtol=tol, atol=tol) for i, m in enumerate(layers))
+            except RuntimeError as exc:
+                log.warning("keeping separate %s: %s", "/".join(names), exc)
+                continue
+            if not ok:
+                log.warning("keeping separate %s: fused result differs", "/".join(names))
+                continue
+            parent.add_module("_".join(n.removesuffix("_proj") for n in names) + "_fused", fused)
+            for i, (n, m) in enumerate(zip(names, layers)):
+                setattr(parent, n, LinearSlice(fused, i, m))
+            done += len(layers)
+    return done
+
+
+def _plain(linear: torch.nn.Linear) -> bool:
+    # A torchao quantized weight (a tensor subclass, common/engine/quantization.py) reports the full-precision
+    # dtype but has no oneDNN reorder (each layer would fail and warn).
+    return type(linear.weight) is torch.nn.Parameter and type(linear.weight.data) is torch.Tensor
+
+
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in _PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
 
 
 def pack_linear_layers(model: torch.nn.Module) -> int:
-    """Replace each CPU ``nn.Linear`` of ``model`` (fp32/bf16, plain weight) by a :class:`PackedLinear`; returns
-    how many.
+    """Replace each CPU ``nn.Linear`` of ``model`` (fp32/bf16, plain weight) by a :class:`PackedLinear`, sibling
+    projections fused into a :class:`FusedLinear` first; returns how many layers were packed.
 
     A layer whose packed result differs from ``F.linear`` by more than summation-order noise is left
     alone (the check runs once per layer on a small random input).
     """
+    fused_layers = _fuse_siblings(model)
     swaps = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if type(child) is not torch.nn.Linear:
                 continue
-            # A plain weight only: a torchao quantized weight (a tensor subclass, common/engine/quantization.py)
-            # reports the full-precision dtype but has no oneDNN reorder (each layer would fail and warn).
-            plain = type(child.weight) is torch.nn.Parameter and type(child.weight.data) is torch.Tensor
-            if plain and packing_supported(child.weight.dtype, child.weight.device):
+            if _plain(child) and packing_supported(child.weight.dtype, child.weight.device):
                 swaps.append((parent, name, child))
     done = 0
     for parent, name, child in swaps:
@@ -73,4 +215,4 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
             continue
         setattr(parent, name, packed)
         done += 1
-    return done
+    return done + fused_layers

@@ -93,6 +93,15 @@ class PagedKVCache:
         kv = kv.view(2, h, batch, -1, d).transpose(1, 2)  # [2, B, H, L, D]
         return kv[0], kv[1]
 
+    def contiguous(self, layer: int, first_block: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first ``num_keys`` slots of the consecutive blocks from ``first_block`` on, read in
+        place: views [1, H, num_keys, D] (a head's keys are one contiguous run of the cache)."""
+        bs = self.spec.block_size
+        nb = -(-num_keys // bs)
+        kv = self.data[layer, :, :, first_block : first_block + nb]  # [2, H, nb, bs, D]
+        kv = kv.flatten(2, 3)[:, :, :num_keys]  # [2, H, num_keys, D]
+        return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+
     # -- one block across all layers, for the spill tiers of the prefix cache ---------------------------------
 
     def copy_block(self, block_id: int) -> torch.Tensor:

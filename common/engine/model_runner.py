@@ -35,6 +35,8 @@ class ModelRunner:
         self.device = device
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
+        if all(n == 1 for _, n in scheduled):
+            return self._prepare_decode([r for r, _ in scheduled])
         decode = [(r, n) for r, n in scheduled if n == 1]
         prefill = [(r, n) for r, n in scheduled if n != 1]
         ordered = decode + prefill
@@ -102,6 +104,34 @@ class ModelRunner:
             sampling_requests=[ordered[i][0] for i in sampling],
         )
 
+    def _prepare_decode(self, reqs: list[Request]) -> StepBatch:
+        """:meth:`prepare` for a step of one new token per sequence (the steady state of decoding): the same
+        batch, from Python lists with a few tensor constructions (~0.1 ms instead of ~0.3 ms a step here).
+
+        A single sequence whose blocks are consecutive ids (the common case of a lone stream) is attended
+        straight from the cache, without a gather (:attr:`AttentionGroup.first_block`)."""
+        bs = self.block_size
+        pos = [r.num_computed_tokens for r in reqs]
+        nb = max(pos) // bs + 1
+        tables = [r.block_ids[:nb] for r in reqs]
+        dev = self.device
+        table = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.long, device=dev)
+        slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, pos)], dtype=torch.long, device=dev)
+        position_ids = torch.tensor([pos], dtype=torch.long, device=dev)
+        group = AttentionGroup(gather_index=self.kv_cache.gather_index(table), query_pos=position_ids.view(-1, 1))
+        if len(reqs) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + nb)):
+            group.first_block, group.num_keys = tables[0][0], pos[0] + 1
+        sampling = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens]
+        return StepBatch(
+            input_ids=torch.tensor([[r.all_token_ids[p] for r, p in zip(reqs, pos)]], dtype=torch.long, device=dev),
+            position_ids=position_ids,
+            attn=AttentionMetadata(
+                kv_cache=self.kv_cache, write_index=self.kv_cache.write_index(slots), groups=[group]
+            ),
+            logits_index=torch.tensor(sampling, dtype=torch.long, device=dev),
+            sampling_requests=[reqs[i] for i in sampling],
+        )
+
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Forward the packed batch; returns float32 logits [S, V] of the sampling requests (S may be 0)."""
@@ -125,6 +155,8 @@ def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
         gather_index=group.gather_index,
         query_pos=group.query_pos.to(device),
         token_start=group.token_start,
+        first_block=group.first_block,
+        num_keys=group.num_keys,
         token_index=None if group.token_index is None else group.token_index.to(device),
         valid=None if group.valid is None else group.valid.to(device),
     )

@@ -1,0 +1,19 @@
+"""The model a benchmark runs without ``--model``: ``build/llama-SIZE``, built by ``build_tiny`` if missing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BUILD = Path(__file__).resolve().parents[1] / "build"
+
+
+def model_dir(model: str, size: str) -> str:
+    """``model`` if given, else ``build/llama-SIZE`` (a random-weight Llama of that preset, built once)."""
+    if model:
+        return model
+    path = BUILD / f"llama-{size}"
+    if not (path / "config.json").exists():
+        from common.models.tiny import build_tiny
+
+        build_tiny("llama", path, size=size)
+    return str(path)
