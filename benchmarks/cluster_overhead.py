@@ -49,6 +49,40 @@ def run_engine(engine: LLMEngine, prompts, new: int) -> tuple[float, list[list[i
     return time.perf_counter() - t0, [r.token_ids for r in results]
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def cpu_by_role(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each process under ``root``, summed by role: router, prefill,
+    decode, redis, other (the role is read from the command line)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in process_tree(root):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        role = next((r for r in ("router", "prefill", "decode", "redis") if r in cmd), "other")
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def run_cluster(router: str, prompts, new: int) -> tuple[float, list[list[int]], list[int]]:
     """Wall time, each stream's tokens, and how many messages each stream took."""
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -86,6 +120,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prefill-threads", type=int, default=2, help="torch threads of the prefill worker")
+    ap.add_argument("--decode-threads", type=int, default=2, help="torch threads of the decode worker")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the decode worker's --stream-interval")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -98,27 +135,36 @@ def main() -> int:
     engine.generate([[5] * 64], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     useful = args.streams * args.new_tokens
     engine_tps, cluster_tps, per_message, equal = [], [], [], True
+    cpu_seconds: list[dict[str, float]] = []  # each round's CPU seconds by process role, during the cluster run
     with tempfile.TemporaryDirectory() as logs, pdserve_up(
         "--model", args.model, "--prefill", "1", "--decode", "1", "--log-dir", logs,
-        "--worker-arg=--threads=2", "--worker-arg=--max-model-len=1024", "--worker-arg=--no-prefix-caching",
+        f"--prefill-arg=--threads={args.prefill_threads}", f"--decode-arg=--threads={args.decode_threads}",
+        f"--decode-arg=--stream-interval={args.stream_interval}",
+        "--worker-arg=--max-model-len=1024", "--worker-arg=--no-prefix-caching",
     ) as cluster:  # fmt: skip
         warm = make_prompts(2, 64, engine.vocab_size, seed=99)
         run_cluster(cluster["router"], warm, 4)
         for r in range(args.rounds):
             prompts = make_prompts(args.streams, args.prompt_len, engine.vocab_size, seed=r)
             t_e, out_e = run_engine(engine, prompts, args.new_tokens)
+            cpu0, client0 = cpu_by_role(cluster["proc"].pid), time.process_time()
             t_c, out_c, messages = run_cluster(cluster["router"], prompts, args.new_tokens)
+            cpu1, client1 = cpu_by_role(cluster["proc"].pid), time.process_time()
+            cpu = {role: round(cpu1[role] - cpu0.get(role, 0.0), 2) for role in sorted(cpu1)}
+            cpu["client"] = round(client1 - client0, 2)
+            cpu_seconds.append(cpu)
             engine_tps.append(useful / t_e)
             cluster_tps.append(useful / t_c)
             per_message.append(useful / sum(messages))
             equal &= out_c == out_e
             if not args.json:
                 print(f"round {r}: engine {useful / t_e:6.1f} tok/s, cluster {useful / t_c:6.1f} tok/s "
-                      f"({useful / sum(messages):.2f} tokens a message), equal {out_c == out_e}", flush=True)
+                      f"({useful / sum(messages):.2f} tokens a message), equal {out_c == out_e}; "
+                      f"CPU s during it {cpu}", flush=True)
     e, c = statistics.median(engine_tps), statistics.median(cluster_tps)
-    result = {"streams": args.streams, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+    result = {"streams": args.streams, "stream_interval": args.stream_interval, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "engine_tok_s": e, "cluster_tok_s": c, "overhead": 1 - c / e,
-              "tokens_per_message": statistics.median(per_message), "equal": equal}
+              "tokens_per_message": statistics.median(per_message), "equal": equal, "cpu_seconds": cpu_seconds}
     if args.json:
         print(json.dumps(result))
     else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.05  # an idle loop wakes this often to expire KV reservation leases
+STREAM_LINGER_S = 0.1  # longest a stream interval holds a token back waiting for more
 
 
 class StreamClosed(RuntimeError):
@@ -86,21 +88,39 @@ class RequestStream:
             raise StreamClosed(f"request {self.request_id}: {self._error}") from self._error
         return item
 
-    def get_pending(self, timeout_s: float | None = None) -> RequestOutput:
+    def get_pending(
+        self, timeout_s: float | None = None, *, min_tokens: int = 1, linger_s: float = STREAM_LINGER_S
+    ) -> RequestOutput:
         """The next output merged with every later one already queued (one output of several tokens): a reader
         that fell behind the steps catches up in one message, and a reader that keeps up gets each output as
-        soon as it exists (nothing waits to be merged). Same errors as :meth:`get`."""
+        soon as it exists (nothing waits to be merged). Same errors as :meth:`get`.
+
+        ``min_tokens`` > 1 (a stream interval): then also wait for later outputs until the merge holds that many
+        tokens, the request ends, or ``linger_s`` has passed since the first output was taken, so a token is
+        held back at most ``linger_s``. Callers pass 1 for a request's first token, which never waits."""
         first = self.get(timeout_s)
         merged = [first]
+        tokens = len(first.new_token_ids)
+        give_up = None
         while not (merged[-1].finished or merged[-1].prefilled):
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
-                break
+                if tokens >= min_tokens:
+                    break
+                give_up = give_up or time.monotonic() + linger_s
+                wait = give_up - time.monotonic()
+                if wait <= 0:
+                    break
+                try:
+                    item = self._queue.get(timeout=wait)
+                except queue.Empty:
+                    break
             if item is self._END:
                 self._queue.put(self._END)  # the next get() raises it
                 break
             merged.append(item)
+            tokens += len(item.new_token_ids)
         return first if len(merged) == 1 else merge_outputs(merged)
 
     def __iter__(self):

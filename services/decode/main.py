@@ -34,6 +34,7 @@ def make_parts(config: WorkerConfig):
             generation_config=loop.engine.loaded.generation_config,
             default_max_tokens=config.default_max_tokens,
             max_lease_s=config.kv_lease_s,
+            stream_interval=config.stream_interval,
             shm_receiver=shm,
             metrics=obs.metrics,
             tracing=obs.tracing,

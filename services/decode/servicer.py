@@ -74,6 +74,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         default_max_tokens: int,
         max_lease_s: float = 60.0,
         stream_timeout_s: float = 600.0,
+        stream_interval: int = 1,
         shm_receiver: KVReceiver | None = None,
         metrics: WorkerMetrics | None = None,
         tracing: Tracing | None = None,
@@ -88,6 +89,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.default_max_tokens = default_max_tokens
         self.max_lease_s = max_lease_s
         self.stream_timeout_s = stream_timeout_s
+        self.stream_interval = stream_interval
         self._reservations: dict[str, _Reservation] = {}
         self._lock = threading.Lock()  # guards the dict, not the reservations
         self.shm_receiver = shm_receiver
@@ -237,9 +239,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         else:
             stream = self._admit_reserved(request, context)
         context.add_callback(lambda: self.loop.submit(lambda e: e.abort(rid)))  # no-op once finished
+        sent = not request.prefill_here  # an imported request's first token reached the client from prefill
         try:
             while True:
-                out = stream.get_pending(timeout_s=self.stream_timeout_s)  # several tokens if the client lags
+                # several tokens if the client lags; with a stream interval, up to that many after the first
+                out = stream.get_pending(timeout_s=self.stream_timeout_s,
+                                         min_tokens=self.stream_interval if sent else 1)  # fmt: skip
+                sent = sent or bool(out.new_token_ids)
                 yield worker_pb2.DecodeResponse(
                     token_ids=out.new_token_ids,
                     text=out.new_text,

@@ -64,6 +64,10 @@ class WorkerConfig:
     threads: int | None = field(default=None, metadata=_help("torch CPU threads"))
     default_max_tokens: int = field(default=64, metadata=_help("max_tokens when a request gives none"))
     kv_lease_s: float = field(default=30.0, metadata=_help("decode: longest KV reservation lease"))
+    stream_interval: int = field(
+        default=1, metadata=_help("decode: tokens per streamed message after the first, each held back at most "
+                                  "0.1 s (1: every token as it comes; more: fewer messages, less CPU per token)")
+    )
     kv_transfer_timeout_s: float = field(default=30.0, metadata=_help("prefill: longest wait for KV acknowledgement"))
     kv_chunk_bytes: int = field(default=4 << 20, metadata=_help("prefill: largest KV chunk on the wire"))
     kv_transport: str = field(

@@ -162,3 +162,38 @@ def test_get_pending_returns_what_came_before_an_error_then_raises():
     assert stream.get_pending(timeout_s=1).new_token_ids == [1, 2]
     with pytest.raises(StreamClosed, match="step failed"):
         stream.get_pending(timeout_s=1)
+
+
+def test_a_stream_interval_waits_for_that_many_tokens_but_never_past_the_linger_or_the_end():
+    from common.engine.engine_loop import RequestStream
+
+    stream = RequestStream("r")
+
+    def feed(items, gap_s):
+        for item in items:
+            time.sleep(gap_s)
+            stream._put(item)
+
+    stream._put(_out([1], "a"))
+    threading.Thread(target=feed, args=([_out([2], "b"), _out([3], "c"), _out([4], "d")], 0.02)).start()
+    merged = stream.get_pending(timeout_s=1, min_tokens=3, linger_s=5)
+    assert merged.new_token_ids == [1, 2, 3]  # waited for the two later outputs, not for the fourth
+    assert stream.get_pending(timeout_s=1).new_token_ids == [4]
+
+    stream._put(_out([5], "e"))  # nothing follows: given up after the linger, held back no longer
+    t0 = time.monotonic()
+    assert stream.get_pending(timeout_s=1, min_tokens=4, linger_s=0.1).new_token_ids == [5]
+    assert 0.08 <= time.monotonic() - t0 < 1
+
+    stream._put(_out([6], "f"))
+    threading.Thread(target=feed, args=([_out([7], "g", finished=True)], 0.02)).start()
+    t0 = time.monotonic()
+    merged = stream.get_pending(timeout_s=1, min_tokens=10, linger_s=5)  # the end cuts the wait short
+    assert (merged.new_token_ids, merged.finished) == ([6, 7], True)
+    assert time.monotonic() - t0 < 1
+
+    stream._put(_out([8], "h"))
+    stream._fail(RuntimeError("step failed"))  # an error too: what came before it first, then the error
+    assert stream.get_pending(timeout_s=1, min_tokens=5, linger_s=5).new_token_ids == [8]
+    with pytest.raises(StreamClosed, match="step failed"):
+        stream.get_pending(timeout_s=1, min_tokens=5)
