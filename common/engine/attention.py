@@ -41,6 +41,10 @@ class AttentionGroup:
     ``first_block`` is set for a decode group of one sequence whose blocks are the consecutive ids from
     ``first_block`` on, with ``num_keys`` its length: its keys are then read in place
     (:meth:`PagedKVCache.contiguous`), no gather, no mask.
+
+    ``fresh_prompt`` is set for a prefill group of one sequence computed from position 0 in this step (a
+    prompt in one chunk, the usual work of a prefill worker): its queries attend causally to the step's own
+    K/V (``is_causal`` SDPA, the kernel stock models use), no gather, no mask; ``num_keys`` is its length.
     """
 
     gather_index: torch.Tensor  # what PagedKVCache.gather reads: the group's block table [B, nb], flattened
@@ -50,6 +54,7 @@ class AttentionGroup:
     valid: torch.Tensor | None = None  # [B, Q] bool
     first_block: int | None = None
     num_keys: int = 0
+    fresh_prompt: int = 0  # 1: one sequence, packed tokens [token_start, token_start + num_keys) = positions 0..
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, num_keys: int, sliding_window: int | None) -> torch.Tensor:
@@ -160,6 +165,12 @@ def paged_attention(
         return out.view(1, num_tokens, h_q, d), None
     out = torch.empty(num_tokens, h_q, d, dtype=query.dtype, device=query.device)
     for group in meta.groups:  # at most two: decode, prefill
+        if group.fresh_prompt and (sliding_window is None or group.num_keys <= sliding_window):
+            own = slice(group.token_start, group.token_start + group.num_keys)
+            q, k, v = query[:, :, own], key[:, :, own], value[:, :, own]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != h_q)
+            out[own] = o[0].transpose(0, 1)
+            continue
         k, v = meta.gather(layer, group)
         o = _group_attention(group, q_tok, k.to(query.dtype), v.to(query.dtype), scaling, sliding_window)
         if group.token_index is None:

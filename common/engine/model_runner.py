@@ -81,14 +81,15 @@ class ModelRunner:
             token_index = torch.where(valid, offsets[num_decode:, None] + q, 0)
             query_pos = torch.where(valid, p_start[:, None] + q, 0)
             nb = -(-int((p_start + p_len).max()) // bs)
-            groups.append(
-                AttentionGroup(
-                    gather_index=self.kv_cache.gather_index(table[num_decode:, :nb]),
-                    query_pos=query_pos,
-                    token_index=token_index,
-                    valid=valid,
-                )
+            group = AttentionGroup(
+                gather_index=self.kv_cache.gather_index(table[num_decode:, :nb]),
+                query_pos=query_pos,
+                token_index=token_index,
+                valid=valid,
             )
+            if len(prefill) == 1 and starts[num_decode] == 0:  # a whole prompt in one step: its own K/V suffice
+                group.fresh_prompt, group.token_start, group.num_keys = 1, int(offsets[num_decode]), lengths[-1]
+            groups.append(group)
 
         sampling = [i for i, (r, n) in enumerate(ordered) if r.num_computed_tokens + n == r.num_tokens]
         logits_index = (offsets + len_t - 1)[sampling]
@@ -157,6 +158,7 @@ def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
         token_start=group.token_start,
         first_block=group.first_block,
         num_keys=group.num_keys,
+        fresh_prompt=group.fresh_prompt,
         token_index=None if group.token_index is None else group.token_index.to(device),
         valid=None if group.valid is None else group.valid.to(device),
     )
