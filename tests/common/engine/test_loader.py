@@ -281,3 +281,16 @@ def test_pickle_files_beside_safetensors_are_ignored(models, tmp_path):
     assert [p.name for p in weight_files(both)] == ["model.safetensors"]
     assert verify_manifest(both) is True
     assert load_model(both).fingerprint == compute_fingerprint(models["fp32"])
+
+
+def test_torchao_import_noise_is_dropped_and_other_warnings_pass(caplog):
+    import logging
+
+    import common.engine.loader  # noqa: F401 - installs the filters
+
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load /x/site-packages/torchao/_C_mxfp8.so: no CUDA")
+        logging.getLogger("torch.utils._pytree").warning(
+            "<enum 'KernelPreference'> ... Calling register_constant() on Enum subclasses is deprecated and will be")
+        logging.getLogger("torchao").warning("int8 weight-only: layer skipped")
+    assert [r.getMessage() for r in caplog.records] == ["int8 weight-only: layer skipped"]
