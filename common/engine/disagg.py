@@ -13,8 +13,18 @@ Decode side (receiver):
 - :meth:`admit_reserved` starts decoding once everything arrived; :meth:`release_kv` gives up;
 - :meth:`import_kv` does all three for a whole :class:`KVHandoff` at once.
 
+The hand-off format is canonical: a :class:`KVHandoff` and every :meth:`write_kv` chunk carry all the model's
+KV heads (``[n, bs, H, D]``, laid out by ``LLMEngine.handoff_spec``), whatever the tensor-parallel layout of
+either engine, so a tensor-parallel prefill engine can hand off to a one-process decode engine and the other way
+round. On one process that is the cache's own layout. With tensor parallelism (the driver's engine) each rank
+caches only its share of the heads: :meth:`export_kv` gathers them from every rank and :meth:`write_kv` sends
+every rank its heads, over the step channel of :mod:`common.engine.tensor_parallel`; ``kv_layer_sink`` is not
+supported there (export after the prefill with ``export_kv(with_kv=True)`` instead).
+
 The methods use the engine's pool, cache, scheduler and request table; like the engine, they are not
-thread-safe, except :meth:`write_kv`, which touches only the reservation's own blocks.
+thread-safe. On one process :meth:`write_kv` is the exception: it touches only the reservation's own blocks,
+so it may run beside a step. With tensor parallelism :meth:`export_kv`, :meth:`write_kv` and
+:meth:`import_kv` are collectives with the follower ranks: call them on the engine's own thread, between steps.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ class KVHandoffMixin:
 
         ``with_kv=False`` leaves ``layers`` empty: for a request whose KV already left layer by layer
         through ``kv_layer_sink``, the hand-off then carries only the tokens and the generator state.
+        The KV has every KV head of the model (``spec`` is :attr:`handoff_spec`); with tensor parallelism
+        it is gathered from every rank (a collective: call between steps, on the engine's thread).
         """
         request = self._requests.get(request_id)
         if request is None or request.status is not RequestStatus.PREFILLED:
@@ -53,14 +65,16 @@ class KVHandoffMixin:
         num_blocks = -(-request.num_computed_tokens // self.kv_spec.block_size)
         blocks = request.block_ids[:num_blocks]
         layers = []
-        if with_kv:
+        if with_kv and self.tensor_parallel is not None:  # every rank's heads, gathered on the step channel
+            layers = self.tensor_parallel.gather_kv(self.kv_cache, blocks, self.handoff_spec.num_kv_heads)
+        elif with_kv:
             layers = [self.kv_cache.read_blocks(layer, blocks) for layer in range(self.kv_spec.num_layers)]
         handoff = KVHandoff(
             request_id=request_id,
             prompt_token_ids=list(request.prompt_token_ids),
             output_token_ids=list(request.output_token_ids),
             num_kv_tokens=request.num_computed_tokens,
-            spec=self.kv_spec,
+            spec=self.handoff_spec,
             layers=layers,
             model_fingerprint=self.loaded.fingerprint,
             generator_state=None if request.generator is None else request.generator.get_state(),
@@ -76,10 +90,11 @@ class KVHandoffMixin:
     ) -> str:
         """Continue a request prefilled elsewhere, with all its KV at hand (reserve + write + admit).
 
-        Raises ValueError if the KV does not fit this engine's model or layout, NoFreeBlocksError if the pool
-        cannot hold it now; nothing is left allocated on failure.
+        Raises ValueError if the KV does not fit this engine's model or layout (:attr:`handoff_spec`: all KV
+        heads, whatever either side's tensor-parallel size), NoFreeBlocksError if the pool cannot hold it now;
+        nothing is left allocated on failure.
         """
-        handoff.check_compatible(self.kv_spec, self.loaded.fingerprint)
+        handoff.check_compatible(self.handoff_spec, self.loaded.fingerprint)
         rid = request_id or handoff.request_id
         self.reserve_kv(rid, handoff.num_kv_tokens, lease_s=60.0)
         try:
@@ -100,7 +115,6 @@ class KVHandoffMixin:
         The lease ends after ``lease_s`` seconds: unless :meth:`admit_reserved` or :meth:`release_kv` came
         first, the next :meth:`step` frees the blocks. Raises NoFreeBlocksError when the pool is short.
         """
-        self._check_single_process("reserve_kv / import_kv (the KV hand-off)")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if num_tokens >= self.max_model_len:
@@ -110,9 +124,12 @@ class KVHandoffMixin:
     def write_kv(
         self: LLMEngine, request_id: str, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Write received KV ([n, bs, H, D] each) into blocks ``first_block .. first_block + n`` of a reservation.
+        """Write received KV ([n, bs, H, D] each, all the model's KV heads: :attr:`handoff_spec`) into blocks
+        ``first_block .. first_block + n`` of a reservation.
 
-        Touches only the reservation's own blocks, so it may run beside a step that computes other blocks.
+        On one process it touches only the reservation's own blocks, so it may run beside a step that computes
+        other blocks. With tensor parallelism it sends every rank its heads over the step channel: call it on
+        the engine's thread, between steps.
         """
         reservation = self.reservations.get(request_id)
         n = k.shape[0]
@@ -123,7 +140,15 @@ class KVHandoffMixin:
                 f"blocks [{first_block}, {first_block + n}) are outside the {len(reservation.block_ids)} reserved "
                 f"for request {request_id!r}"
             )
-        self.kv_cache.write_blocks(layer, reservation.block_ids[first_block : first_block + n], k, v)
+        blocks = reservation.block_ids[first_block : first_block + n]
+        if self.tensor_parallel is None:
+            self.kv_cache.write_blocks(layer, blocks, k, v)
+            return
+        expected = self.handoff_spec.block_shape(n)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"KV blocks of shape {tuple(k.shape)}/{tuple(v.shape)} do not fit {expected} (every "
+                             "KV head of the model)")
+        self.tensor_parallel.write_kv(self.kv_cache, layer, blocks, k, v)
 
     def admit_reserved(
         self,

@@ -7,7 +7,8 @@ In-process API (the services wrap it):
   :meth:`LLMEngine.generate` runs prompts to completion (blocking).
 - The disaggregated hand-off: a request added with ``prefill_only=True`` stops after its first token and
   holds its blocks; :meth:`LLMEngine.export_kv` returns its KV and frees them; another engine's
-  :meth:`LLMEngine.import_kv` writes the KV into its own blocks and continues decoding.
+  :meth:`LLMEngine.import_kv` writes the KV into its own blocks and continues decoding. The KV travels with
+  every KV head of the model (:attr:`LLMEngine.handoff_spec`), so either side may be tensor-parallel.
 
 Each step reads: schedule → prepare the packed batch → forward → sample → stop checks → report.
 The engine is not thread-safe: one caller drives it (a service runs it in one thread).
@@ -15,6 +16,7 @@ The engine is not thread-safe: one caller drives it (a service runs it in one th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -73,8 +75,8 @@ class LLMEngine(KVHandoffMixin):
         self.config = config = config or EngineConfig()
         self.loaded = loaded
         self.tensor_parallel = tp = loaded.tensor_parallel  # None on one process (common/engine/tensor_parallel)
-        if tp is not None and kv_layer_sink is not None:
-            raise ValueError("kv_layer_sink is not supported with tensor parallelism")
+        if kv_layer_sink is not None:
+            self._check_single_process("kv_layer_sink (layer-by-layer KV streaming)")
         self.tokenizer = loaded.tokenizer
         self.device = torch.device(loaded.device)
         if config.num_threads and self.device.type == "cpu":
@@ -91,7 +93,8 @@ class LLMEngine(KVHandoffMixin):
             ),
             block_size=config.block_size,
             dtype=loaded.dtype,
-        )
+        )  # this rank's cache: with tensor parallelism, its share of the KV heads
+        self._handoff_spec = dataclasses.replace(self.kv_spec, num_kv_heads=num_kv_heads)
         num_blocks = self._resolve_num_blocks()
         if tp is not None:  # every rank must hold the same block ids
             num_blocks = tp.agree_min(num_blocks)
@@ -150,6 +153,12 @@ class LLMEngine(KVHandoffMixin):
             )
         return num_blocks
 
+    @property
+    def handoff_spec(self) -> KVCacheSpec:
+        """Layout of the KV this engine exports and imports: :attr:`kv_spec` with every KV head of the model
+        (equal to it on one process; a tensor-parallel rank's cache holds only its share of the heads)."""
+        return self._handoff_spec
+
     def _check_single_process(self, feature: str) -> None:
         if self.tensor_parallel is not None:
             raise ValueError(f"{feature}: not supported with tensor parallelism (tensor_parallel_size "
@@ -178,8 +187,6 @@ class LLMEngine(KVHandoffMixin):
         """Queue a prompt (text or token ids); returns the request id. Raises ValueError on bad input."""
         sampling = sampling or SamplingParams()
         sampling.validate(self.vocab_size)
-        if prefill_only:
-            self._check_single_process("prefill_only requests (the KV hand-off)")
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_prompt(prompt_ids)
         request = self._new_request(request_id, prompt_ids, sampling, prefill_only=prefill_only)

@@ -36,7 +36,7 @@ class ModelIdentity:
 
     @classmethod
     def of_engine(cls, engine: LLMEngine) -> ModelIdentity:
-        spec = engine.kv_spec
+        spec = engine.handoff_spec  # every KV head: what the hand-off carries, whatever the TP layout
         return cls(
             model_fingerprint=engine.loaded.fingerprint,
             dtype=str(spec.dtype).removeprefix("torch."),

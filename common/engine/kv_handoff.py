@@ -3,7 +3,8 @@
 A :class:`KVHandoff` carries one request's prompt KV (every layer, whole blocks in the request's token
 order) plus what the receiver needs to continue exactly where the sender stopped: the tokens sampled so
 far and the state of the request's seeded generator. Block ids are not carried: the receiver writes the
-blocks into whatever ids its own pool hands out.
+blocks into whatever ids its own pool hands out. The KV always has every KV head of the model (``spec`` is
+the sender's ``LLMEngine.handoff_spec``), whatever the tensor-parallel size of the sender or the receiver.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class KVHandoff:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # sampled by the sender (the first token); the receiver continues from here
     num_kv_tokens: int  # tokens whose KV the blocks hold (the prompt): positions [0, num_kv_tokens)
-    spec: KVCacheSpec
+    spec: KVCacheSpec  # num_kv_heads: the model's full count
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), each [num_blocks, block_size, Hkv, D]
     model_fingerprint: str
     generator_state: torch.Tensor | None = None  # torch.Generator.get_state() of a seeded request

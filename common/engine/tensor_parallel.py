@@ -12,10 +12,11 @@ Roles, by rank:
 - rank 0, the *driver*, runs the engine as on one process (scheduler, block pool, sampler, requests); before
   each forward pass its engine calls :meth:`TensorParallelGroup.send_step` with the step's packed batch;
 - ranks 1..N-1, the *followers*, build the same engine from the same :class:`EngineConfig` and run
-  :func:`run_follower`: receive a step (:meth:`TensorParallelGroup.receive_step`), run its forward pass, drop
-  the logits, until the driver's :meth:`TensorParallelGroup.close` sends the stop. All ranks agree on the KV
-  block count (:meth:`TensorParallelGroup.agree_min`) and have equal local head counts, so the batch's index
-  tensors (slots, block tables) mean the same on every rank and travel as they are.
+  :func:`run_follower`: receive the driver's next message (:meth:`TensorParallelGroup.receive`) and act on
+  it, until the driver's :meth:`TensorParallelGroup.close` sends the stop: a step (run its forward pass, drop
+  the logits) or a KV command of the hand-off (below). All ranks agree on the KV block count
+  (:meth:`TensorParallelGroup.agree_min`) and have equal local head counts, so the batch's index tensors
+  (slots, block tables) and block ids mean the same on every rank and travel as they are.
 
 Every forward pass is a collective, so only the driver's engine is ever stepped and the followers run its steps
 in its order. Steps travel on a separate gloo group of CPU tensors whose timeout is long (a follower waits there
@@ -26,15 +27,29 @@ Life cycle of each rank: :meth:`TensorParallelGroup.initialize` →
 ``engine.close()``; follower: ``run_follower(engine)``, then ``group.close()``. :mod:`common.engine.tp_launcher`
 does all of it on one host.
 
-Not supported with tensor parallelism yet (the engine raises ValueError): the disaggregated KV hand-off
-(``prefill_only``, ``kv_layer_sink``, ``reserve_kv``/``import_kv``), KV spill tiers, quantization; the CPU
-packed-linear path is skipped (the weights are DTensor shards with TP forward hooks).
+The disaggregated KV hand-off (:mod:`common.engine.disagg`) works across layouts: its format is canonical, every
+KV head of the model (``LLMEngine.handoff_spec``), whatever the tensor-parallel size of either side. Rank r
+holds the KV heads ``[r*Hl, (r+1)*Hl)`` (Hl = its local count; transformers' column-wise q/k/v shards split the
+heads in rank order). Two commands on the step channel, driver → every follower, in order with the steps:
+
+- *gather KV* (:meth:`TensorParallelGroup.gather_kv`, from ``export_kv``): every rank reads its heads of the
+  given blocks in every layer, the driver gathers them and concatenates the heads in rank order;
+- *write KV* (:meth:`TensorParallelGroup.write_kv`, from ``write_kv``/``import_kv``): the driver writes its
+  heads of all-head blocks into its cache and broadcasts them whole; each follower writes its own heads into
+  the same block ids (only the driver allocates blocks; every rank has the same count).
+
+Both are collectives with the followers, so the driver calls them on the engine's own thread between steps.
+
+Not supported with tensor parallelism yet (the engine raises ValueError): ``kv_layer_sink`` (layer-by-layer
+streaming during the forward pass; export after it with ``export_kv(with_kv=True)`` instead), KV spill tiers,
+quantization; the CPU packed-linear path is skipped (the weights are DTensor shards with TP forward hooks).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -57,7 +72,7 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0  # the default group: rendezvous, loading, eve
 DEFAULT_IDLE_TIMEOUT_S = 365 * 24 * 3600.0  # the step group: how long a follower waits for the next step
 HEADER_INTS = 256  # fixed length of a step header (int64)
 
-_STEP, _STOP = 1, 0  # header[0]
+_STEP, _STOP, _GATHER_KV, _WRITE_KV = 1, 0, 2, 3  # header[0]: what the message is
 _NONE, _INT, _TENSOR, _LIST = 0, 1, 2, 3  # value kinds in a header
 # dtypes a step tensor may have, by code
 _DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool, torch.float32, torch.bfloat16,
@@ -68,12 +83,36 @@ _NESTED = {"attn": AttentionMetadata}  # StepBatch fields holding a dataclass
 _LISTS = {"groups": AttentionGroup}  # fields holding a list of dataclasses
 
 
+@dataclasses.dataclass(frozen=True)
+class GatherKV:
+    """Follower's part of the driver's :meth:`TensorParallelGroup.gather_kv`: send this rank's heads of
+    ``block_ids`` in all ``num_layers`` layers (:meth:`TensorParallelGroup.serve`)."""
+
+    num_layers: int
+    block_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteKV:
+    """Follower's part of the driver's :meth:`TensorParallelGroup.write_kv`: write this rank's heads of
+    ``key``/``value`` ([n, bs, all KV heads, D], on the CPU) into ``block_ids`` of ``layer``."""
+
+    layer: int
+    block_ids: list[int]
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+KVCommand = GatherKV | WriteKV
+
+
 class TensorParallelGroup:
     """This process's place in a tensor-parallel engine: rank, world size, the step channel, and shutdown.
 
     Called on every rank, in the same order: :meth:`initialize`, :meth:`local_kv_heads`, :meth:`agree_min`
-    (the engine does the last two); then only the driver calls :meth:`send_step` and only followers
-    :meth:`receive_step`; :meth:`close` on every rank.
+    (the engine does the last two); then only the driver calls :meth:`send_step`, :meth:`gather_kv` and
+    :meth:`write_kv`, and only followers :meth:`receive` (and :meth:`serve` for the KV commands);
+    :meth:`close` on every rank. A lock keeps each driver message whole.
     """
 
     def __init__(self, rank: int, world_size: int, step_group: Any, *, owns_process_group: bool,
@@ -84,6 +123,7 @@ class TensorParallelGroup:
         self._owns_process_group = owns_process_group
         self._followers = list(followers)
         self._closed = False
+        self._channel = threading.Lock()  # one driver message (header, body, gather) at a time
 
     @classmethod
     def initialize(cls, rank: int, world_size: int, *, device: str | torch.device = "cpu",
@@ -142,12 +182,13 @@ class TensorParallelGroup:
     def send_step(self, batch: StepBatch) -> None:
         """Driver: send one step's batch to every follower (before running it here)."""
         header, body = encode_step(batch)
-        self._broadcast(header, body)
+        with self._channel:
+            self._broadcast(header, body)
 
-    def receive_step(self, kv_cache: PagedKVCache, device: torch.device) -> StepBatch | None:
-        """Follower: the driver's next step, rebuilt on this rank's cache and device; None once it stops.
-
-        Blocks until the driver sends (at most the idle timeout)."""
+    def receive(self, kv_cache: PagedKVCache, device: torch.device) -> StepBatch | KVCommand | None:
+        """Follower: the driver's next message: a step, rebuilt on this rank's cache and device, a KV command
+        (:meth:`serve` it), or None once the driver stops. Blocks until the driver sends (at most the idle
+        timeout)."""
         header = torch.empty(HEADER_INTS, dtype=torch.int64)
         dist.broadcast(header, src=0, group=self._step_group)
         ints = header.tolist()
@@ -156,12 +197,91 @@ class TensorParallelGroup:
         body = torch.empty(ints[1], dtype=torch.uint8)
         if ints[1]:
             dist.broadcast(body, src=0, group=self._step_group)
-        return decode_step(ints, body, kv_cache, device)
+        if ints[0] == _STEP:
+            return decode_step(ints, body, kv_cache, device)
+        if ints[0] == _GATHER_KV:
+            return GatherKV(ints[2], body.view(torch.int64).tolist())
+        if ints[0] == _WRITE_KV:
+            layer, n, total_heads = ints[2:5]
+            spec = kv_cache.spec
+            ids_bytes = 8 * n
+            kv = body[ids_bytes:].view(spec.dtype).view(2, n, spec.block_size, total_heads, spec.head_dim)
+            return WriteKV(layer, body[:ids_bytes].view(torch.int64).tolist(), kv[0], kv[1])
+        raise ValueError(f"tensor parallel: unknown message kind {ints[0]} from the driver")
 
     def _broadcast(self, header: torch.Tensor, body: torch.Tensor | None) -> None:
         dist.broadcast(header, src=0, group=self._step_group)
         if body is not None and body.numel():
             dist.broadcast(body, src=0, group=self._step_group)
+
+    # -- KV commands of the hand-off: canonical all-head KV <-> each rank's heads -------------------------------
+
+    def head_slice(self, local_heads: int, total_heads: int) -> slice:
+        """The KV heads of the model (``total_heads``) that this rank holds: ``[rank*Hl, (rank+1)*Hl)``, or all
+        of them when the plan does not shard the heads. ValueError if the counts do not fit either."""
+        if local_heads == total_heads:
+            return slice(0, total_heads)
+        if local_heads * self.world_size != total_heads:
+            raise ValueError(f"{local_heads} local KV heads on each of {self.world_size} ranks do not make the "
+                             f"model's {total_heads}")
+        return slice(self.rank * local_heads, (self.rank + 1) * local_heads)
+
+    def gather_kv(self, kv_cache: PagedKVCache, block_ids: Sequence[int],
+                  total_heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Driver: K and V of ``block_ids`` in every layer with all ``total_heads`` KV heads ([n, bs, H, D]
+        each, on the cache's device), gathered from every rank (collective with the followers)."""
+        spec = kv_cache.spec
+        block_ids = [int(b) for b in block_ids]
+        self.head_slice(spec.num_kv_heads, total_heads)  # the counts must fit before the followers are told
+        if spec.num_kv_heads == total_heads or not block_ids:  # every rank holds every head: nothing to gather
+            return [kv_cache.read_blocks(layer, block_ids) for layer in range(spec.num_layers)]
+        body = torch.tensor(block_ids, dtype=torch.int64).view(torch.uint8)
+        header = _header(_GATHER_KV, body.numel(), spec.num_layers, len(block_ids))
+        with self._channel:
+            self._broadcast(header, body)
+            local = _read_layers(kv_cache, block_ids)  # [L, 2, n, bs, Hl, D*elem] uint8
+            parts = [torch.empty_like(local) for _ in range(self.world_size)]
+            dist.gather(local, parts, dst=0, group=self._step_group)
+        full = torch.cat(parts, dim=4).view(spec.dtype).to(kv_cache.data.device)  # heads in rank order
+        return [(full[layer, 0], full[layer, 1]) for layer in range(spec.num_layers)]
+
+    def write_kv(self, kv_cache: PagedKVCache, layer: int, block_ids: Sequence[int], key: torch.Tensor,
+                 value: torch.Tensor) -> None:
+        """Driver: write all-head K/V blocks (``key``/``value`` [n, bs, H, D], n == len(block_ids)) into
+        ``block_ids`` of ``layer`` on every rank, each rank its own heads (collective with the followers).
+        ValueError, before anything is written or sent, if the shapes do not fit."""
+        spec = kv_cache.spec
+        block_ids = [int(b) for b in block_ids]
+        total_heads = key.shape[2] if key.dim() == 4 else -1
+        expected = (len(block_ids), spec.block_size, total_heads, spec.head_dim)
+        if tuple(key.shape) != expected or tuple(value.shape) != expected:
+            raise ValueError(f"KV blocks of shape {tuple(key.shape)}/{tuple(value.shape)} do not fit {expected}")
+        if not 0 <= layer < spec.num_layers:
+            raise ValueError(f"layer {layer} is outside [0, {spec.num_layers})")
+        heads = self.head_slice(spec.num_kv_heads, total_heads)
+        kv_cache.write_blocks(layer, block_ids, key[:, :, heads], value[:, :, heads])
+        if not block_ids:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.int64).view(torch.uint8)
+        kv = [t.detach().to(device="cpu", dtype=spec.dtype).contiguous().reshape(-1).view(torch.uint8)
+              for t in (key, value)]
+        body = torch.cat([ids, *kv])
+        with self._channel:
+            self._broadcast(_header(_WRITE_KV, body.numel(), layer, len(block_ids), total_heads), body)
+
+    def serve(self, kv_cache: PagedKVCache, command: KVCommand) -> None:
+        """Follower: this rank's part of a KV command from :meth:`receive`."""
+        spec = kv_cache.spec
+        if isinstance(command, GatherKV):
+            if command.num_layers != spec.num_layers:
+                raise ValueError(f"gather of {command.num_layers} layers; this rank has {spec.num_layers}")
+            dist.gather(_read_layers(kv_cache, command.block_ids), None, dst=0, group=self._step_group)
+        elif isinstance(command, WriteKV):
+            heads = self.head_slice(spec.num_kv_heads, command.key.shape[2])
+            kv_cache.write_blocks(command.layer, command.block_ids, command.key[:, :, heads],
+                                  command.value[:, :, heads])
+        else:
+            raise TypeError(f"not a KV command: {type(command).__name__}")
 
     # -- shutdown ---------------------------------------------------------------------------------------------
 
@@ -173,9 +293,8 @@ class TensorParallelGroup:
         self._closed = True
         if self.is_driver:
             try:
-                header = torch.zeros(HEADER_INTS, dtype=torch.int64)
-                header[0] = _STOP
-                self._broadcast(header, None)
+                with self._channel:
+                    self._broadcast(_header(_STOP, 0), None)
             except RuntimeError as exc:  # a follower already gone: nothing left to stop there
                 log.warning("tensor parallel: could not send the stop to every follower: %s", exc)
         self._reap(timeout_s)
@@ -205,15 +324,38 @@ class TensorParallelGroup:
 
 
 def run_follower(engine: LLMEngine) -> int:
-    """Run the driver's steps on this follower rank until the driver stops; returns the number of steps."""
+    """Run the driver's steps and KV commands on this follower rank, in the driver's order, until the driver
+    stops; returns the number of steps."""
     group = engine.loaded.tensor_parallel
     if group is None or group.is_driver:
         raise ValueError("run_follower needs an engine of a follower rank (tensor_parallel rank >= 1)")
     num_steps = 0
-    while (batch := group.receive_step(engine.kv_cache, engine.device)) is not None:
-        engine.runner.run(batch)
-        num_steps += 1
+    while (message := group.receive(engine.kv_cache, engine.device)) is not None:
+        if isinstance(message, StepBatch):
+            engine.runner.run(message)
+            num_steps += 1
+        else:
+            group.serve(engine.kv_cache, message)
     return num_steps
+
+
+def _header(kind: int, body_bytes: int, *values: int) -> torch.Tensor:
+    """A message header: [kind, body bytes, *values], zero-padded to HEADER_INTS."""
+    header = torch.zeros(HEADER_INTS, dtype=torch.int64)
+    header[: 2 + len(values)] = torch.tensor([kind, body_bytes, *values], dtype=torch.int64)
+    return header
+
+
+def _read_layers(kv_cache: PagedKVCache, block_ids: Sequence[int]) -> torch.Tensor:
+    """This rank's K and V of ``block_ids`` in every layer, on the CPU, as bytes: [L, 2, n, bs, Hl, D*elem]
+    uint8 (gloo moves plain bytes of any dtype)."""
+    spec = kv_cache.spec
+    out = torch.empty((spec.num_layers, 2, *spec.block_shape(len(block_ids))), dtype=spec.dtype)
+    for layer in range(spec.num_layers):
+        k, v = kv_cache.read_blocks(layer, list(block_ids))
+        out[layer, 0].copy_(k)
+        out[layer, 1].copy_(v)
+    return out.view(torch.uint8)
 
 
 # -- encoding a step: a header of ints and one body of tensor bytes --------------------------------------------
