@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import re
 from dataclasses import dataclass
@@ -50,22 +49,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "fp16": torch.float16,
 }
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-
-
-class _DropImportNoise(logging.Filter):
-    """Drops two warnings every model load printed once torchao is installed (transformers imports it to
-    check its quantizers): torchao's CPU wheel failing to load its CUDA-only kernels (``Failed to load
-    .../torchao/_C_...so``) and torch's pytree deprecation of ``register_constant`` for torchao's enums.
-    Neither says anything about the model or the run; every other record of both loggers passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (("Failed to load" in message and "torchao/_C" in message)
-                    or ("register_constant() on Enum subclasses is deprecated" in message))  # fmt: skip
-
-
-for _name in ("torchao", "torch.utils._pytree"):
-    logging.getLogger(_name).addFilter(_DropImportNoise())
 
 
 class ModelLoadError(ValueError):

@@ -286,7 +286,7 @@ def test_pickle_files_beside_safetensors_are_ignored(models, tmp_path):
 def test_torchao_import_noise_is_dropped_and_other_warnings_pass(caplog):
     import logging
 
-    import common.engine.loader  # noqa: F401 - installs the filters
+    import common.engine  # noqa: F401 - the package installs the filters
 
     with caplog.at_level(logging.WARNING):
         logging.getLogger("torchao").warning("Failed to load /x/site-packages/torchao/_C_mxfp8.so: no CUDA")
