@@ -162,7 +162,8 @@ def main() -> int:
                       f"({useful / sum(messages):.2f} tokens a message), equal {out_c == out_e}; "
                       f"CPU s during it {cpu}", flush=True)
     e, c = statistics.median(engine_tps), statistics.median(cluster_tps)
-    result = {"streams": args.streams, "stream_interval": args.stream_interval, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+    result = {"streams": args.streams, "stream_interval": args.stream_interval, "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens,
               "engine_tok_s": e, "cluster_tok_s": c, "overhead": 1 - c / e,
               "tokens_per_message": statistics.median(per_message), "equal": equal, "cpu_seconds": cpu_seconds}
     if args.json:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,3 +19,16 @@ def pdserve(*args: str, check: bool = True, timeout_s: float = 300) -> subproces
     if check and proc.returncode != 0:
         raise AssertionError(f"pdserve {args} exited {proc.returncode}: {proc.stderr[-2000:]}")
     return proc
+
+
+def process_group_alive(pgid: int, wait_s: float) -> bool:
+    """Whether any process of group ``pgid`` is still alive after waiting up to ``wait_s`` for all to go."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.2)

@@ -8,7 +8,9 @@ free loopback port; gloo on the CPU, NCCL on CUDA), load the model sharded, buil
 
 Rank r uses ``device`` as given on the CPU and ``cuda:r`` on CUDA (one GPU per rank, ranks 0..N-1 on GPUs
 0..N-1). A follower that fails logs its traceback to stderr and exits; the driver's next collective then fails
-(at worst after ``startup_timeout_s``), so a failed start ends in an exception, never a hang.
+(at worst after ``startup_timeout_s``), so a failed start ends in an exception, never a hang. A follower that
+serves ignores SIGINT and SIGTERM (a signal to the process group, e.g. Ctrl-C or a supervisor's SIGTERM, leaves
+the driver to drain and stop it); it ends with the driver's close, the driver's death or SIGKILL.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +98,11 @@ def _follower_main(rank: int, size: int, init_method: str, model_dir: str, confi
                                            startup_timeout_s=startup_timeout_s)
     try:
         engine = LLMEngine(load_model(model_dir, device=device, tensor_parallel=group, **load_kwargs), config)
+        # Serving, a follower takes its orders from the driver alone: the driver's close stops it and the driver's
+        # death ends its next collective. A signal to the whole process group (Ctrl-C in a terminal, a
+        # supervisor's SIGTERM) must not end it while the driver drains its requests; SIGKILL still does.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         num_steps = run_follower(engine)
         log.info("stopped after %d steps", num_steps)
     finally:

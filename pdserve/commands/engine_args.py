@@ -1,4 +1,4 @@
-"""Flags shared by every command that builds an engine (``run`` now; the workers later)."""
+"""Flags shared by the commands that build an engine in-process (``run``; the workers have their own config)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ Life cycle of a request on a decode worker:
    the model was checked against this worker's identity.
 2. ``PushKv`` (prefill worker): chunks arrive in any order; each is verified (header and payload checksums,
    block ranges) and written straight into the reserved blocks on the gRPC thread, under the reservation's
-   lock. A bad chunk fails the stream with DATA_LOSS naming it, and the reservation is released.
+   lock. A bad chunk fails the stream with DATA_LOSS naming it, and the reservation is released. Chunks carry
+   every KV head (the engine's ``handoff_spec``); on a tensor-parallel engine (``--tensor-parallel-size`` > 1)
+   each is written by ``engine.write_kv`` on the engine thread instead, which sends every rank its heads.
 3. ``Decode`` (router): once every layer arrived, the request joins the continuous batch; its tokens after
    the ones prefill produced stream back until it finishes. A client that goes away aborts it. With
    ``prefill_here`` (conditional disaggregation, sessions) there is no reservation: the request is
@@ -125,16 +127,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         engine = self.loop.engine
         reservation = _Reservation(rid, blocks, None, time.monotonic() + lease_s)  # type: ignore[arg-type]
-        reservation.assembler = TransferAssembler(
-            rid, engine.kv_spec.num_layers, len(blocks), engine.kv_spec, self._writer(reservation)
-        )
+        spec = engine.handoff_spec  # the wire carries every KV head, whatever either side's tensor parallelism
+        reservation.assembler = TransferAssembler(rid, spec.num_layers, len(blocks), spec, self._writer(reservation))
         with self._lock:
             self._reservations[rid] = reservation
         response = worker_pb2.ReserveKvResponse(
             num_blocks=len(blocks), identity=convert.identity_to_proto(self.identity), host=self.host
         )
         if self.shm_receiver is not None:
-            spec = engine.kv_spec
             self.shm_receiver.expect(rid, spec.num_layers, len(blocks), spec, self._writer(reservation), lease_s)
             response.kv_shm_address = self.shm_receiver.address
         return response
@@ -157,6 +157,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     def _writer(self, reservation: _Reservation):
         """The write function of a reservation's transfer (either transport): checked chunks land here."""
+        if self.loop.engine.tensor_parallel is not None:
+            return self._engine_thread_writer(reservation)
         kv_cache = self.loop.engine.kv_cache
         metrics = self.metrics
         header_bytes = header_size_bytes(reservation.request_id)  # each write() is one chunk: header + k + v
@@ -166,6 +168,33 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 if reservation.released:
                     raise WireFormatError(f"request {reservation.request_id}: reservation already released")
                 kv_cache.write_blocks(layer, reservation.block_ids[first_block : first_block + k.shape[0]], k, v)
+            if metrics is not None:
+                metrics.count_kv_received(header_bytes + k.nbytes + v.nbytes)
+
+        return write
+
+    def _engine_thread_writer(self, reservation: _Reservation):
+        """Tensor parallelism: a chunk's all-head K/V goes through ``engine.write_kv``, which sends every rank its
+        heads over the step channel, so it runs on the engine thread between steps (``loop.call``: the transport
+        thread waits, and the chunk's buffer stays valid until the write is done).
+
+        The release check runs on the engine thread as well, not under the reservation's lock: admission and
+        the engine-side release run there too, so a write either lands before them or sees ``released`` (a
+        transport thread holding the lock while it waits for the engine thread could deadlock with admit)."""
+        rid = reservation.request_id
+        metrics = self.metrics
+        header_bytes = header_size_bytes(rid)
+
+        def write_on_engine(engine, layer: int, first_block: int, k, v) -> None:
+            if reservation.released:
+                raise WireFormatError(f"request {rid}: reservation already released")
+            engine.write_kv(rid, layer, first_block, k, v)
+
+        def write(layer: int, first_block: int, k, v) -> None:
+            try:
+                self.loop.call(lambda e: write_on_engine(e, layer, first_block, k, v))
+            except StreamClosed as exc:  # the worker is stopping: the chunk fails like one for a released reservation
+                raise WireFormatError(f"request {rid}: the engine loop stopped") from exc
             if metrics is not None:
                 metrics.count_kv_received(header_bytes + k.nbytes + v.nbytes)
 

@@ -6,7 +6,10 @@ Life cycle of a request on a prefill worker:
    this worker's model, dtype, block size, tokenizer or protocol fails at once (FAILED_PRECONDITION).
 2. The prompt joins the engine's batch (prompts that arrive together share forward passes). During the pass
    that completes it, the engine hands each layer's KV to a :class:`GrpcKVSender` the moment the layer is
-   computed; chunks stream to the decode worker's ``PushKv`` while later layers compute.
+   computed; chunks stream to the decode worker's ``PushKv`` while later layers compute. A tensor-parallel
+   engine (``--tensor-parallel-size`` > 1) cannot stream per layer (each rank holds its share of the heads):
+   once the request is prefilled, ``export_kv(with_kv=True)`` gathers every rank's heads on the engine thread
+   and the servicer thread sends the layers through the same sender, in the same all-heads wire chunks.
 3. The first token is sampled; the sender waits for the decode worker's acknowledgement; the engine
    forgets the request (blocks freed) and the response carries the first token and the generator state.
 4. A failed or late transfer answers with its gRPC status (DATA_LOSS, DEADLINE_EXCEEDED, UNAVAILABLE) and
@@ -83,7 +86,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self._channels: dict[str, grpc.Channel] = {}
         self._shm_senders: dict[str, ShmKVSender] = {}
         self._lock = threading.Lock()
-        loop.engine.kv_layer_sink = self._sink  # runs on the engine thread: must not block
+        # With tensor parallelism the engine cannot stream KV per layer (each rank holds only its heads): the
+        # whole KV is gathered after the prefill instead (_send_exported).
+        self.stream_layers = loop.engine.tensor_parallel is None
+        if self.stream_layers:
+            loop.engine.kv_layer_sink = self._sink  # runs on the engine thread: must not block
 
     def _sink(self, request_id: str, layer: int, k, v) -> None:
         sender = self._senders.get(request_id)
@@ -162,11 +169,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             sender.abort()
             response.finish_reason = convert.finish_reason_to_proto(out.finish_reason)
             return response
-        result = sender.finish(self.transfer_timeout_s)
-        try:
-            handoff = self.loop.call(lambda e: e.export_kv(rid, with_kv=False))  # frees the blocks here
-        except ValueError as exc:  # aborted meanwhile
-            context.abort(grpc.StatusCode.CANCELLED, str(exc))
+        if self.stream_layers:
+            result = sender.finish(self.transfer_timeout_s)
+            try:
+                handoff = self.loop.call(lambda e: e.export_kv(rid, with_kv=False))  # frees the blocks here
+            except ValueError as exc:  # aborted meanwhile
+                context.abort(grpc.StatusCode.CANCELLED, str(exc))
+        else:
+            handoff, result = self._send_exported(rid, sender, context)
         transport = "shm" if isinstance(sender, _ConnectorRequest) else "grpc"
         if self.metrics is not None:
             if result.ok:
@@ -187,6 +197,24 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         response.kv_transfer_started_at = result.finished_at - result.seconds
         response.kv_transfer_finished_at = result.finished_at
         return response
+
+    def _send_exported(self, rid: str, sender, context):
+        """Tensor parallelism: the prefilled request's whole KV, every rank's heads gathered by ``export_kv`` (a
+        collective, so on the engine thread, between steps; it frees the blocks there), then sent layer by layer
+        through the same sender and wire chunks as the layer sink's (all KV heads, ``handoff_spec``), and the
+        acknowledgement awaited. Returns the hand-off and the transfer's result."""
+        try:
+            handoff = self.loop.call(lambda e: e.export_kv(rid, with_kv=True))
+        except (ValueError, StreamClosed) as exc:  # aborted meanwhile, or the engine loop stopped
+            sender.abort()
+            context.abort(grpc.StatusCode.CANCELLED, str(exc))
+        try:
+            for layer, (k, v) in enumerate(handoff.layers):
+                sender.send_layer(layer, k, v)
+        except (ValueError, RuntimeError) as exc:  # a chunk the transport cannot take, or a closed channel
+            sender.abort()
+            context.abort(grpc.StatusCode.INTERNAL, f"KV of request {rid} could not be sent: {exc}")
+        return handoff, sender.finish(self.transfer_timeout_s)
 
     def _sender_for(self, rid: str, request) -> GrpcKVSender | _ConnectorRequest:
         """Shared memory when asked for and the decode worker offers it on this host; else gRPC."""

@@ -27,6 +27,11 @@ class WorkerConfig:
                           "'pdserve[quant]'); prefill and decode workers must use the same",
                   "choices": list(QUANTIZATION_METHODS)},
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_help("torch.distributed tensor parallelism over N processes of this host (gloo on the CPU, NCCL on "
+                       "CUDA); prefill and decode pools may use different sizes"),
+    )
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
     port: int = field(default=0, metadata=_help("gRPC port (0: any free port)"))
     metrics_port: int = field(default=0, metadata=_help("HTTP port of /metrics, /healthz, /readyz (0: any free port)"))

@@ -2,13 +2,16 @@
 
 :func:`serve_worker` is the whole life of a worker process:
 
-1. load the model and build the engine (its loop thread owns it from then on);
+1. load the model and build the engine (its loop thread owns it from then on); with ``--tensor-parallel-size N``
+   it is rank 0 of N processes of this host (:func:`~common.engine.tp_launcher.launch_engine`: N-1 follower
+   processes are spawned here);
 2. build the role's servicer, the gRPC server (health NOT_SERVING until registered, reflection);
 3. register in Redis and heartbeat every second with the engine's load (a Redis outage is survived: the
    heartbeater re-registers when it returns);
 4. serve; health turns SERVING;
 5. on SIGTERM/SIGINT: health NOT_SERVING, deregister, stop taking new work, let in-flight requests finish
-   (up to ``drain_timeout_s``), stop the engine loop, exit 0.
+   (up to ``drain_timeout_s``), stop the engine loop, close the engine, exit 0. The engine is closed on every
+   way out (a failed start too), so no tensor-parallel follower process outlives the worker.
 """
 
 from __future__ import annotations
@@ -71,11 +74,37 @@ class WorkerParts:
 
 
 def build_engine(config: WorkerConfig) -> LLMEngine:
+    """The worker's engine; with ``--tensor-parallel-size N`` > 1, rank 0 of N processes of this host (the N-1
+    followers are spawned here; ``engine.close()`` stops them)."""
     if not config.model:
         raise ValueError("a worker needs --model (a local model directory)")
-    loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                        allow_pickle=config.allow_pickle_weights, quantization=config.quantization)
+    check_tensor_parallel_settings(config)
+    load_kwargs = dict(dtype=config.dtype, allow_pickle=config.allow_pickle_weights,
+                       quantization=config.quantization)
+    if config.tensor_parallel_size > 1:
+        from common.engine.tp_launcher import launch_engine
+
+        return launch_engine(config.model, EngineConfig.from_settings(config),
+                             tensor_parallel_size=config.tensor_parallel_size, device=config.device, **load_kwargs)
+    loaded = load_model(config.model, device=config.device, **load_kwargs)
     return LLMEngine(loaded, EngineConfig.from_settings(config))
+
+
+def check_tensor_parallel_settings(config: WorkerConfig) -> None:
+    """ValueError naming the flags, before anything loads, for what the engine refuses with tensor parallelism."""
+    size = config.tensor_parallel_size
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"--tensor-parallel-size must be a positive integer, got {size!r}")
+    if size == 1:
+        return
+    refused = []
+    if config.kv_host_cache_blocks > 0 or config.kv_shared_cache_blocks > 0:
+        refused.append("KV spill tiers (--kv-host-cache-blocks, --kv-shared-cache-blocks)")
+    if config.quantization != "none":
+        refused.append(f"--quantization {config.quantization}")
+    if refused:
+        raise ValueError(f"--tensor-parallel-size {size} does not work with {' or '.join(refused)} yet: use "
+                         "--tensor-parallel-size 1 or turn them off")
 
 
 def attach_kv_tiers(engine: LLMEngine, identity: ModelIdentity, config: WorkerConfig) -> None:
@@ -124,115 +153,124 @@ def serve_worker(
     if tls is not None:
         tls.load()  # before the model loads: a bad certificate or key fails fast (ValueError naming the file)
     engine = build_engine(config)
-    identity = ModelIdentity.of_engine(engine)
-    attach_kv_tiers(engine, identity, config)
-    heartbeater: Heartbeater | None = None
-    gpu = GpuMonitor.for_device(engine.device)  # None on the CPU or without nvidia-ml-py: no GPU figures
-    metrics = WorkerMetrics(role, lambda: loop.stats, lambda: heartbeater is not None and heartbeater.connected,
-                            gpu=gpu)
-    loop = EngineLoop(engine, name=f"{role}-engine", on_request_finished=metrics.observe_request).start()
-    tracing = Tracing(f"pdserve-{role}", config.otlp_endpoint)
-    parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
-    server, port, health = build_server(parts.add_to_server, parts.service_names, host=config.host, port=config.port,
-                                        tls=tls)
-    address = f"{config.advertise_host or config.host}:{port}"
-    worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
-    started_at = time.time()
-
-    def not_ready() -> list[str]:
-        reasons = []
-        if stop_event.is_set():
-            reasons.append("draining: stopping, takes no new requests")
-        if heartbeater is None or not heartbeater.ever_connected:  # a Redis outage later is no reason: the
-            reasons.append("not registered in Redis")  # routers keep their view of it (details say degraded)
-        if not loop.running:
-            reasons.append("engine loop stopped")
-        return reasons
-
-    def details() -> dict:
-        stats = loop.stats
-        redis_state = "ok" if heartbeater is not None and heartbeater.connected else "degraded"
-        return {"role": role, "id": worker_id, "redis": redis_state, "num_requests_running": stats.num_requests_running,
-                "num_requests_waiting": stats.num_requests_waiting, **(parts.details() if parts.details else {}),
-                **({"gpu": gpu.health()} if gpu is not None else {})}
-
-    if config.warmup_file:  # before serving: the router's first view already finds the prefixes cached
-        result = warm_up(loop, prompt_ids(loop, read_warmup_file(config.warmup_file)))
-        log.info("warm-up: %s", result)
-    http = HttpFront(config.host, config.metrics_port, authenticator=authenticator)  # /admin/*: keys when set
-    http.add_observability(metrics.registry, not_ready, details)
-    http.route("POST", "/admin/warmup", admin_route(loop))
-    http.start()
-    metrics_address = f"{config.advertise_host or config.host}:{http.port}"
-
-    def info() -> WorkerInfo:
-        stats = loop.stats
-        return WorkerInfo(
-            id=worker_id, role=role, address=address, host=socket.gethostname(), pid=os.getpid(),
-            model=identity.model_fingerprint, version=__version__,
-            num_requests_running=stats.num_requests_running, num_requests_waiting=stats.num_requests_waiting,
-            kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
-            kv_blocks_cached=stats.kv_blocks_cached, block_size=engine.config.block_size,
-            metrics_address=metrics_address, started_at=started_at, updated_at=time.time(),
-            state="draining" if stop_event.is_set() else "ready",
-        )  # fmt: skip
-
-    redis_client = connect(config.redis_url)
-    registry = WorkerRegistry(redis_client, prefix=config.redis_prefix, ttl_s=config.heartbeat_ttl_s)
-    publisher = None
-    if engine.config.prefix_caching:  # the router's prefix index learns what this worker's cache holds
-        engine.block_pool.name_events = deque()
-        index = PrefixIndex(redis_client, prefix=config.redis_prefix, ttl_s=config.heartbeat_ttl_s)
-        publisher = PrefixPublisher(index, worker_id, engine.block_pool.name_events)
-    heartbeater = Heartbeater(registry, info, interval_s=min(1.0, config.heartbeat_ttl_s / 3))
-    server.start()
+    loop: EngineLoop | None = None
     try:
-        registry.register(info())
-    except Exception as exc:  # noqa: BLE001 - Redis down at start: the heartbeater keeps trying
-        log.warning("could not register in %s; retrying in the background", describe_error(exc, config.redis_url))
-    heartbeater.start()
-    health.set_serving(True)
-    log.info("%s worker %s serving on %s (%s), metrics on %s (model %s)", role, worker_id, address,
-             "mutual TLS" if tls else "plaintext", metrics_address, identity.model_fingerprint[:12])
-    if on_ready is not None:
-        on_ready(address, metrics_address)
+        identity = ModelIdentity.of_engine(engine)
+        attach_kv_tiers(engine, identity, config)
+        heartbeater: Heartbeater | None = None
+        gpu = GpuMonitor.for_device(engine.device)  # None on the CPU or without nvidia-ml-py: no GPU figures
+        metrics = WorkerMetrics(role, lambda: loop.stats, lambda: heartbeater is not None and heartbeater.connected,
+                                gpu=gpu)
+        loop = EngineLoop(engine, name=f"{role}-engine", on_request_finished=metrics.observe_request).start()
+        tracing = Tracing(f"pdserve-{role}", config.otlp_endpoint)
+        parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
+        server, port, health = build_server(parts.add_to_server, parts.service_names, host=config.host,
+                                            port=config.port, tls=tls)
+        address = f"{config.advertise_host or config.host}:{port}"
+        worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        started_at = time.time()
 
-    _install_signal_handlers(stop_event)
-    while not stop_event.wait(0.2):
-        if parts.tick is not None:
-            parts.tick()
-        if publisher is not None:
-            try:
-                publisher.flush()
-            except Exception as exc:  # noqa: BLE001 - Redis away: the heartbeater reports it; retry next tick
-                log.debug("prefix index not published: %s", exc)
+        def not_ready() -> list[str]:
+            reasons = []
+            if stop_event.is_set():
+                reasons.append("draining: stopping, takes no new requests")
+            if heartbeater is None or not heartbeater.ever_connected:  # a Redis outage later is no reason: the
+                reasons.append("not registered in Redis")  # routers keep their view of it (details say degraded)
+            if not loop.running:
+                reasons.append("engine loop stopped")
+            return reasons
 
-    # -- drain --------------------------------------------------------------------------------------------
-    log.info("%s worker %s draining", role, worker_id)
-    health.set_serving(False)
-    heartbeater.stop()
-    try:
-        registry.deregister(worker_id)
-    except Exception as exc:  # noqa: BLE001
-        log.warning("could not deregister %s: %s", worker_id, exc)
-    deadline = time.monotonic() + config.drain_timeout_s
-    def busy() -> bool:
-        stats = loop.stats
-        inflight = parts.num_inflight() if parts.num_inflight else 0
-        return bool(stats.num_requests_running or stats.num_requests_waiting or inflight)
+        def details() -> dict:
+            stats = loop.stats
+            redis_state = "ok" if heartbeater is not None and heartbeater.connected else "degraded"
+            return {"role": role, "id": worker_id, "redis": redis_state,
+                    "num_requests_running": stats.num_requests_running,
+                    "num_requests_waiting": stats.num_requests_waiting, **(parts.details() if parts.details else {}),
+                    **({"gpu": gpu.health()} if gpu is not None else {})}
 
-    while time.monotonic() < deadline and busy():
-        time.sleep(0.05)
-    server.stop(grace=1.0).wait(5.0)
-    http.stop()
-    if parts.on_stop is not None:
-        parts.on_stop()
-    if gpu is not None:
-        gpu.close()
-    loop.stop()
-    tracing.shutdown()
-    log.info("%s worker %s stopped", role, worker_id)
-    return 0
+        if config.warmup_file:  # before serving: the router's first view already finds the prefixes cached
+            result = warm_up(loop, prompt_ids(loop, read_warmup_file(config.warmup_file)))
+            log.info("warm-up: %s", result)
+        http = HttpFront(config.host, config.metrics_port, authenticator=authenticator)  # /admin/*: keys when set
+        http.add_observability(metrics.registry, not_ready, details)
+        http.route("POST", "/admin/warmup", admin_route(loop))
+        http.start()
+        metrics_address = f"{config.advertise_host or config.host}:{http.port}"
+
+        def info() -> WorkerInfo:
+            stats = loop.stats
+            return WorkerInfo(
+                id=worker_id, role=role, address=address, host=socket.gethostname(), pid=os.getpid(),
+                model=identity.model_fingerprint, version=__version__,
+                num_requests_running=stats.num_requests_running, num_requests_waiting=stats.num_requests_waiting,
+                kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
+                kv_blocks_cached=stats.kv_blocks_cached, block_size=engine.config.block_size,
+                metrics_address=metrics_address, started_at=started_at, updated_at=time.time(),
+                state="draining" if stop_event.is_set() else "ready",
+            )  # fmt: skip
+
+        redis_client = connect(config.redis_url)
+        registry = WorkerRegistry(redis_client, prefix=config.redis_prefix, ttl_s=config.heartbeat_ttl_s)
+        publisher = None
+        if engine.config.prefix_caching:  # the router's prefix index learns what this worker's cache holds
+            engine.block_pool.name_events = deque()
+            index = PrefixIndex(redis_client, prefix=config.redis_prefix, ttl_s=config.heartbeat_ttl_s)
+            publisher = PrefixPublisher(index, worker_id, engine.block_pool.name_events)
+        heartbeater = Heartbeater(registry, info, interval_s=min(1.0, config.heartbeat_ttl_s / 3))
+        server.start()
+        try:
+            registry.register(info())
+        except Exception as exc:  # noqa: BLE001 - Redis down at start: the heartbeater keeps trying
+            log.warning("could not register in %s; retrying in the background", describe_error(exc, config.redis_url))
+        heartbeater.start()
+        health.set_serving(True)
+        log.info("%s worker %s serving on %s (%s), metrics on %s (model %s)", role, worker_id, address,
+                 "mutual TLS" if tls else "plaintext", metrics_address, identity.model_fingerprint[:12])
+        if on_ready is not None:
+            on_ready(address, metrics_address)
+
+        _install_signal_handlers(stop_event)
+        while not stop_event.wait(0.2):
+            if parts.tick is not None:
+                parts.tick()
+            if publisher is not None:
+                try:
+                    publisher.flush()
+                except Exception as exc:  # noqa: BLE001 - Redis away: the heartbeater reports it; retry next tick
+                    log.debug("prefix index not published: %s", exc)
+
+        # -- drain --------------------------------------------------------------------------------------------
+        log.info("%s worker %s draining", role, worker_id)
+        health.set_serving(False)
+        heartbeater.stop()
+        try:
+            registry.deregister(worker_id)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not deregister %s: %s", worker_id, exc)
+        deadline = time.monotonic() + config.drain_timeout_s
+        def busy() -> bool:
+            stats = loop.stats
+            inflight = parts.num_inflight() if parts.num_inflight else 0
+            return bool(stats.num_requests_running or stats.num_requests_waiting or inflight)
+
+        while time.monotonic() < deadline and busy():
+            time.sleep(0.05)
+        server.stop(grace=1.0).wait(5.0)
+        http.stop()
+        if parts.on_stop is not None:
+            parts.on_stop()
+        if gpu is not None:
+            gpu.close()
+        loop.stop()
+        tracing.shutdown()
+        log.info("%s worker %s stopped", role, worker_id)
+        return 0
+    except BaseException:  # a failed start (or drain): the engine thread must be gone before the engine closes
+        if loop is not None:
+            loop.stop()
+        raise
+    finally:
+        engine.close()  # with --tensor-parallel-size: stops and joins the follower processes (idempotent)
 
 
 def _install_signal_handlers(stop_event: threading.Event) -> None:

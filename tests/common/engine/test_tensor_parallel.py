@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from common.engine.loader import ModelLoadError, load_model
 from common.engine.sampling_params import SamplingParams
 from common.engine.tensor_parallel import decode_step, encode_step
 from common.engine.tp_launcher import launch_engine
-from tests.cli import REPO
+from tests.cli import REPO, process_group_alive
 from tests.conftest import hf_greedy
 
 TP_TIMEOUT_S = 240
@@ -73,18 +72,6 @@ def test_size_that_does_not_split_the_heads_is_refused(tiny_model_dir, size):
         launch_engine(tiny_model_dir("llama"), EngineConfig(), tensor_parallel_size=size)
 
 
-def _session_alive(pgid: int, wait_s: float) -> bool:
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.2)
-
-
 def _pdserve_run(*args: str) -> list[dict]:
     """``pdserve run ARGS --json`` in its own process group; every process of the group is gone afterwards."""
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "run", *args, "--json"], cwd=REPO,
@@ -92,7 +79,7 @@ def _pdserve_run(*args: str) -> list[dict]:
     try:
         out, err = proc.communicate(timeout=TP_TIMEOUT_S)
     finally:
-        leftover = _session_alive(proc.pid, wait_s=15.0)  # processes the driver spawned, reaped by init once gone
+        leftover = process_group_alive(proc.pid, wait_s=15.0)  # processes the driver spawned, reaped by init once gone
         if leftover:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
