@@ -200,7 +200,7 @@ def main() -> int:
         result["hf_decode_tok_s"] = steps / t
         result["hf_decode_of_roofline"] = steps / t / result["decode_roofline_tok_s"]
         result["engine_equals_hf"] = engine_tokens == hf_tokens
-        # bf16 rounds differently along each path (fused and packed matmuls): where they part, and how far
+        # bf16 rounds differently along each path (fused, packed matmuls): how many leading tokens still agree
         pairs = list(zip(engine_tokens, hf_tokens))
         result["engine_hf_common_prefix"] = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
     if args.json:
