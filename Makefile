@@ -15,6 +15,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/python -m common.engine.cpu_kernels || echo "CPU kernels not built: the engine uses its PyTorch attention"
 	touch $@
 
 setup: $(BIN)/.installed

@@ -42,6 +42,10 @@ class AttentionGroup:
     ``first_block`` on, with ``num_keys`` its length: its keys are then read in place
     (:meth:`PagedKVCache.contiguous`), no gather, no mask.
 
+    ``block_table`` and ``seq_lens`` are set for a decode group when the engine's CPU kernel is loaded
+    (:mod:`common.engine.cpu_kernels`): ``torch.ops.pdserve.paged_decode_attention`` then reads each
+    sequence's keys in place from the paged cache, no gather, no mask, no padding.
+
     ``fresh_prompt`` is set for a prefill group of one sequence computed from position 0 in this step (a
     prompt in one chunk, the usual work of a prefill worker): its queries attend causally to the step's own
     K/V (``is_causal`` SDPA, the kernel stock models use), no gather, no mask; ``num_keys`` is its length.
@@ -55,6 +59,9 @@ class AttentionGroup:
     first_block: int | None = None
     num_keys: int = 0
     fresh_prompt: int = 0  # 1: one sequence, packed tokens [token_start, token_start + num_keys) = positions 0..
+    # decode group on the CPU kernel: block table [B, nb] and keys per sequence [B] (int64, contiguous)
+    block_table: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, num_keys: int, sliding_window: int | None) -> torch.Tensor:
@@ -109,6 +116,26 @@ def _in_place_attention(
     return out.view(1, 1, h_q, d)
 
 
+def _kernel_attention(
+    group: AttentionGroup,
+    meta: AttentionMetadata,
+    layer: int,
+    q_tok: torch.Tensor,  # [T, Hq, D]
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The decode group's attention by the CPU kernel: [B, Hq, D] for the packed tokens
+    ``[token_start, token_start + B)``."""
+    b = group.block_table.shape[0]
+    q = q_tok[group.token_start : group.token_start + b]
+    out = torch.empty(q.shape, dtype=q.dtype)
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    torch.ops.pdserve.paged_decode_attention(
+        out, q, meta.kv_cache.data, layer, group.block_table, group.seq_lens, scale, sliding_window or 0
+    )
+    return out
+
+
 def _group_attention(
     group: AttentionGroup,
     q_tok: torch.Tensor,  # [T, Hq, D]
@@ -158,6 +185,8 @@ def paged_attention(
     num_tokens, h_q, d = q_tok.shape
     if len(meta.groups) == 1 and meta.groups[0].token_index is None:  # decode only: no scatter
         group = meta.groups[0]
+        if group.seq_lens is not None:
+            return _kernel_attention(group, meta, layer, q_tok, scaling, sliding_window).unsqueeze(0), None
         if group.first_block is not None:
             return _in_place_attention(group, meta, layer, q_tok, scaling, sliding_window), None
         k, v = meta.gather(layer, group)
@@ -170,6 +199,11 @@ def paged_attention(
             q, k, v = query[:, :, own], key[:, :, own], value[:, :, own]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != h_q)
             out[own] = o[0].transpose(0, 1)
+            continue
+        if group.seq_lens is not None:
+            out[group.token_start : group.token_start + group.seq_lens.shape[0]] = _kernel_attention(
+                group, meta, layer, q_tok, scaling, sliding_window
+            )
             continue
         k, v = meta.gather(layer, group)
         o = _group_attention(group, q_tok, k.to(query.dtype), v.to(query.dtype), scaling, sliding_window)

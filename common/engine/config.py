@@ -31,6 +31,7 @@ class EngineConfig:
     seed: int = 0  # seed of the sampler's generator for requests without their own seed
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's choice
     cpu_packed_linear: bool = True  # oneDNN matmuls over pre-packed weights on the CPU (see cpu_linear)
+    cpu_kernels: bool = True  # the engine's C++ CPU kernels: decode attention from the paged cache, RMSNorm
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (see prefix_cache)
     prefix_cache_ttl_s: float | None = None  # forget cached blocks unused this long (None: only LRU eviction)
 

@@ -16,7 +16,8 @@ them and the others take their column slice. One wide matmul streams the weights
 ones at decode batch sizes (measured here, 60M model, 8 layers at one token: 5.7 ms → 4.5 ms per step).
 
 :func:`fuse_rms_norms` swaps Llama-style RMSNorm modules (``weight * x / rms(x)``, computed in fp32) for one
-fused ``F.rms_norm`` call each (~25 µs → ~16 µs per call at one token, 17 calls a step on that model).
+call each: the engine's C++ kernel where it is built (:mod:`common.engine.cpu_kernels`), else one fused
+``F.rms_norm`` (~25 µs → ~16 µs per call at one token, 17 calls a step on that model).
 """
 
 from __future__ import annotations
@@ -107,29 +108,34 @@ class LinearSlice(torch.nn.Module):
 
 
 class FusedRMSNorm(torch.nn.Module):
-    """A Llama-style RMSNorm as one ``F.rms_norm`` call (fp32 math; bf16 in and out like the original)."""
+    """A Llama-style RMSNorm as one call: the engine's C++ kernel (``torch.ops.pdserve.rms_norm``, one pass per
+    row) when ``kernel`` is set, else one ``F.rms_norm`` (fp32 math; bf16 in and out like the original)."""
 
-    def __init__(self, norm: torch.nn.Module) -> None:
+    def __init__(self, norm: torch.nn.Module, kernel: bool = False) -> None:
         super().__init__()
         self.weight = norm.weight
         self.eps = float(norm.variance_epsilon)
+        self.kernel = kernel and norm.weight.dtype in _PACKABLE_DTYPES and norm.weight.device.type == "cpu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel and x.dtype == self.weight.dtype:
+            return torch.ops.pdserve.rms_norm(x, self.weight, self.eps)
         shape = (x.shape[-1],)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return torch.nn.functional.rms_norm(x, shape, self.weight, self.eps)
         return self.weight * torch.nn.functional.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
 
-def fuse_rms_norms(model: torch.nn.Module) -> int:
-    """Replace each Llama-style RMSNorm of ``model`` by a :class:`FusedRMSNorm` whose output matches it on a
-    random input; returns how many."""
+def fuse_rms_norms(model: torch.nn.Module, kernel: bool = False) -> int:
+    """Replace each Llama-style RMSNorm of ``model`` by a :class:`FusedRMSNorm` (on the engine's C++ kernel
+    when ``kernel``: the caller checked that it loaded) whose output matches it on a random input; returns
+    how many."""
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child).__name__ not in _LLAMA_STYLE_NORMS or not hasattr(child, "variance_epsilon"):
                 continue
-            fused = FusedRMSNorm(child)
+            fused = FusedRMSNorm(child, kernel=kernel)
             with torch.inference_mode():
                 x = torch.randn(3, child.weight.shape[-1], dtype=child.weight.dtype, device=child.weight.device)
                 tol = 1e-5 if x.dtype == torch.float32 else 1e-2

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine import attention
+from common.engine import attention, cpu_kernels
 from common.engine.block_pool import BlockPool, NoFreeBlocksError
 from common.engine.config import EngineConfig
 from common.engine.counters import EngineCounters, RequestTimings
@@ -99,12 +99,13 @@ class LLMEngine(KVHandoffMixin):
         if tp is not None:  # every rank must hold the same block ids
             num_blocks = tp.agree_min(num_blocks)
         loaded.model.set_attn_implementation(attention.register())
+        kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels.load()
         if config.cpu_packed_linear and packing_supported(loaded.dtype, self.device) and tp is None:
             pack_linear_layers(loaded.model)
-            fuse_rms_norms(loaded.model)
+            fuse_rms_norms(loaded.model, kernel=kernels)
         self.block_pool = BlockPool(num_blocks)
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels)
         self.scheduler = Scheduler(
             self.block_pool,
             config.block_size,

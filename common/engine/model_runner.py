@@ -28,11 +28,16 @@ class StepBatch:
 class ModelRunner:
     """Owns the model and the KV cache on the device; one :meth:`run` per engine step."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device, decode_kernel: bool = False
+    ) -> None:
+        """``decode_kernel``: decode groups carry their block table and lengths for
+        ``torch.ops.pdserve.paged_decode_attention`` (the caller checked that the kernel loaded)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
         self.device = device
+        self.decode_kernel = decode_kernel
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
         if all(n == 1 for _, n in scheduled):
@@ -67,12 +72,14 @@ class ModelRunner:
         num_decode = len(decode)
         if num_decode:
             nb = (int(start_t[:num_decode].max()) // bs) + 1
-            groups.append(
-                AttentionGroup(
-                    gather_index=self.kv_cache.gather_index(table[:num_decode, :nb]),
-                    query_pos=start_t[:num_decode, None],
-                )
+            group = AttentionGroup(
+                gather_index=self.kv_cache.gather_index(table[:num_decode, :nb]),
+                query_pos=start_t[:num_decode, None],
             )
+            if self.decode_kernel:
+                group.block_table = table[:num_decode, :nb].contiguous()
+                group.seq_lens = start_t[:num_decode] + 1
+            groups.append(group)
         if prefill:
             p_len = len_t[num_decode:]
             p_start = start_t[num_decode:]
@@ -120,7 +127,10 @@ class ModelRunner:
         slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, pos)], dtype=torch.long, device=dev)
         position_ids = torch.tensor([pos], dtype=torch.long, device=dev)
         group = AttentionGroup(gather_index=self.kv_cache.gather_index(table), query_pos=position_ids.view(-1, 1))
-        if len(reqs) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + nb)):
+        if self.decode_kernel:
+            group.block_table = table
+            group.seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.long)
+        elif len(reqs) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + nb)):
             group.first_block, group.num_keys = tables[0][0], pos[0] + 1
         sampling = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens]
         return StepBatch(
@@ -159,6 +169,8 @@ def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
         first_block=group.first_block,
         num_keys=group.num_keys,
         fresh_prompt=group.fresh_prompt,
+        block_table=group.block_table,
+        seq_lens=group.seq_lens,
         token_index=None if group.token_index is None else group.token_index.to(device),
         valid=None if group.valid is None else group.valid.to(device),
     )

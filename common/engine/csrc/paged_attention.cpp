@@ -1,0 +1,229 @@
+// Decode attention read straight from the paged KV cache, for the CPU.
+//
+// One query token per sequence; its keys are the first seq_lens[b] slots of the sequence's blocks
+// (block_table[b]). Each (sequence, KV head) is one work item: the query heads that share the KV head
+// score every key once (float accumulation, bf16 or fp32 storage), take a softmax in float and sum the
+// values in float. No gather into a padded batch, no mask: what the batched SDPA path pays for in copies
+// and in work over padding (see common/engine/attention.py).
+//
+// Cache layout (common/engine/kv_cache.py): [layers, 2 (K|V), kv_heads, num_blocks, block_size, head_dim].
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum), within 2 ulp, in plain arithmetic that the
+// compiler vectorizes (std::exp is a scalar libm call: a third of the kernel's time).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);                                  // below: the result is under float's smallest normal
+  // x = n ln2 + r, |r| <= ln2 / 2; n rounded to nearest by the 1.5 * 2^23 trick (nearbyint does not vectorize)
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  float r = x - n * 0.693145751953125f;                    // ln2 in two parts, exact products
+  r -= n * 1.428606765330187045e-06f;
+  float p = 1.9875691500e-4f;                              // Cephes' expf polynomial
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Asks for the rows of the sequence's next block while the current one is read: blocks are scattered, and
+// a miss at each block's start (the hardware prefetcher stops at a jump) cost more than the arithmetic.
+template <typename cache_t>
+inline void prefetch_block(const cache_t* plane, const int64_t* blocks, int64_t next_pos, int64_t end,
+                           int64_t block_size, int64_t dim) {
+  if (next_pos >= end) return;
+  const char* p = reinterpret_cast<const char*>(plane + blocks[next_pos / block_size] * block_size * dim);
+  const int64_t bytes = block_size * dim * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+inline void store(float* dst, float x) { *dst = x; }
+
+inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }  // round to nearest even
+
+template <typename cache_t>
+inline __attribute__((always_inline)) void load_row(float* dst, const cache_t* src, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// DIM > 0: the head size as a constant (the inner loops unroll into a few vector instructions); 0: any size.
+template <typename q_t, typename cache_t, int64_t DIM>
+void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& cache, int64_t layer,
+                      const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t window) {
+  const int64_t batch = query.size(0), q_heads = query.size(1), dim = DIM > 0 ? DIM : query.size(2);
+  const int64_t kv_heads = cache.size(2), num_blocks = cache.size(3), block_size = cache.size(4);
+  const int64_t group = q_heads / kv_heads;
+  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
+  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const int64_t table_width = block_table.size(1);
+  const q_t* q_base = query.data_ptr<q_t>();
+  q_t* o_base = out.data_ptr<q_t>();
+  const cache_t* layer_base = cache.data_ptr<cache_t>() + layer * cache.stride(0);
+  const int64_t plane = num_blocks * block_size * dim;  // one (K|V, head) plane
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * dim), acc(group * dim), rows(block_size * dim), scores, total(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const int64_t len = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const int64_t* blocks = table + b * table_width;
+      const cache_t* k_plane = layer_base + h * plane;
+      const cache_t* v_plane = layer_base + (kv_heads + h) * plane;
+      for (int64_t j = 0; j < group; ++j) {
+        const q_t* src = q_base + b * q_s0 + (h * group + j) * q_s1;
+        float* dst = q.data() + j * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(src[d]) * fscale;
+      }
+      scores.resize(group * n);
+      // scores, one block's keys at a time: its rows in float once, then every query head over them
+      prefetch_block(v_plane, blocks, first, len, block_size, dim);
+      for (int64_t pos = first; pos < len;) {
+        const int64_t off = pos % block_size, count = std::min(block_size - off, len - pos);
+        prefetch_block(k_plane, blocks, pos - off + block_size, len, block_size, dim);
+        load_row(rows.data(), k_plane + (blocks[pos / block_size] * block_size + off) * dim, count * dim);
+        for (int64_t j = 0; j < group; ++j) {
+          const float* __restrict__ qj = q.data() + j * dim;
+          float* __restrict__ sj = scores.data() + j * n + (pos - first);
+          for (int64_t r = 0; r < count; ++r) {
+            const float* __restrict__ k = rows.data() + r * dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; ++d) dot += qj[d] * k[d];
+            sj[r] = dot;
+          }
+        }
+        pos += count;
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        float* __restrict__ sj = scores.data() + j * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, sj[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+          sj[t] = exp_nonpositive(sj[t] - m);
+          sum += sj[t];
+        }
+        total[j] = sum;
+      }
+      // weighted values, block by block in the same way
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t pos = first; pos < len;) {
+        const int64_t off = pos % block_size, count = std::min(block_size - off, len - pos);
+        prefetch_block(v_plane, blocks, pos - off + block_size, len, block_size, dim);
+        load_row(rows.data(), v_plane + (blocks[pos / block_size] * block_size + off) * dim, count * dim);
+        for (int64_t j = 0; j < group; ++j) {
+          float* __restrict__ a = acc.data() + j * dim;
+          const float* __restrict__ pj = scores.data() + j * n + (pos - first);
+          for (int64_t r = 0; r < count; ++r) {
+            const float* __restrict__ v = rows.data() + r * dim;
+            const float w = pj[r];
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
+          }
+        }
+        pos += count;
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        q_t* dst = o_base + b * o_s0 + (h * group + j) * o_s1;
+        const float inv = 1.f / total[j];
+        for (int64_t d = 0; d < dim; ++d) store(dst + d, acc[j * dim + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename q_t, typename cache_t>
+void dispatch_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& cache, int64_t layer,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t window) {
+  switch (query.size(2)) {
+    case 64:
+      return decode_attention<q_t, cache_t, 64>(out, query, cache, layer, block_table, seq_lens, scale, window);
+    case 128:
+      return decode_attention<q_t, cache_t, 128>(out, query, cache, layer, block_table, seq_lens, scale, window);
+    default:
+      return decode_attention<q_t, cache_t, 0>(out, query, cache, layer, block_table, seq_lens, scale, window);
+  }
+}
+
+// out [B, Hq, D] (written), query [B, Hq, D] (any strides with a unit last one), cache the whole KV cache,
+// block_table [B, nb] int64, seq_lens [B] int64 (keys per sequence, the query's own included), window 0 = none.
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& cache, int64_t layer,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(query.device().is_cpu() && cache.device().is_cpu(), "paged_decode_attention runs on the CPU");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [B, Hq, D]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a unit stride on the last axis");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out and query must share a dtype");
+  TORCH_CHECK(cache.dim() == 6 && cache.size(1) == 2 && cache.is_contiguous(), "cache must be [L, 2, H, NB, bs, D]");
+  TORCH_CHECK(cache.size(5) == query.size(2) && query.size(1) % cache.size(2) == 0, "head shapes do not match");
+  TORCH_CHECK(layer >= 0 && layer < cache.size(0), "layer out of range");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
+                  block_table.size(0) == query.size(0),
+              "block_table must be a contiguous [B, nb] int64 tensor");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == query.size(0),
+              "seq_lens must be a contiguous [B] int64 tensor");
+  const int64_t capacity = block_table.size(1) * cache.size(4);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < query.size(0); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= capacity, "seq_lens[", b, "] = ", lens[b], " outside the block table");
+    for (int64_t i = 0; i < (lens[b] + cache.size(4) - 1) / cache.size(4); ++i) {
+      const int64_t blk = table[b * block_table.size(1) + i];
+      TORCH_CHECK(blk >= 0 && blk < cache.size(3), "block id ", blk, " out of range");
+    }
+  }
+  const auto qt = query.scalar_type(), ct = cache.scalar_type();
+  if (qt == at::kFloat && ct == at::kFloat) {
+    dispatch_dim<float, float>(out, query, cache, layer, block_table, seq_lens, scale, window);
+  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
+    dispatch_dim<c10::BFloat16, c10::BFloat16>(out, query, cache, layer, block_table, seq_lens, scale, window);
+  } else if (qt == at::kFloat && ct == at::kBFloat16) {
+    dispatch_dim<float, c10::BFloat16>(out, query, cache, layer, block_table, seq_lens, scale, window);
+  } else if (qt == at::kBFloat16 && ct == at::kFloat) {
+    dispatch_dim<c10::BFloat16, float>(out, query, cache, layer, block_table, seq_lens, scale, window);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ", qt, " and ", ct);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor cache, int layer, Tensor block_table, "
+      "Tensor seq_lens, float scale, int window) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+}

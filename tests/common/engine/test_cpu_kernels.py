@@ -1,0 +1,145 @@
+"""The engine's CPU kernels. Decode attention against attention computed in float64 from the same cache:
+scattered blocks, lengths on and across block edges, grouped-query heads, sliding windows, head sizes with
+and without a specialised build, fp32 and bf16 (queries and cache of either), strided queries; bad
+arguments raise instead of reading out of bounds. RMSNorm against transformers' own ``LlamaRMSNorm``.
+Without the kernels the engine keeps its PyTorch paths."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.engine import cpu_kernels
+from common.engine.kv_cache import KVCacheSpec, PagedKVCache
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels unavailable")
+
+
+def reference(q, cache: PagedKVCache, layer, table, lens, scale, window):
+    """[B, Hq, D] float64 attention of one query per sequence over its first lens[b] cached keys."""
+    kv = cache.data[layer].double()  # [2, H, NB, bs, D]
+    h = kv.shape[1]
+    bs = cache.spec.block_size
+    out = []
+    for b, n in enumerate(lens.tolist()):
+        slots = torch.arange(n)
+        first = max(0, n - window) if window else 0
+        slots = slots[first:]
+        blocks = table[b, slots // bs]
+        k = kv[0][:, blocks, slots % bs]  # [H, n, D]
+        v = kv[1][:, blocks, slots % bs]
+        qb = q[b].double().view(h, -1, q.shape[-1])  # [H, g, D]
+        p = torch.softmax(qb @ k.transpose(1, 2) * scale, -1)
+        out.append((p @ v).reshape(-1, q.shape[-1]))
+    return torch.stack(out)
+
+
+def random_case(q_dtype, cache_dtype, heads=4, group=2, dim=64, block_size=4, lens=(1, 4, 5, 17, 30), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=heads, head_dim=dim, block_size=block_size, dtype=cache_dtype)
+    width = -(-max(lens) // block_size)
+    num_blocks = len(lens) * width + 5
+    cache = PagedKVCache(spec, num_blocks)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+    table = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width)  # scattered
+    q = torch.randn(len(lens), heads * group, dim, generator=g).to(q_dtype)
+    return q, cache, table, torch.tensor(lens)
+
+
+@pytest.mark.parametrize(
+    "q_dtype,cache_dtype,tol",
+    [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2),
+     (torch.float32, torch.bfloat16, 1e-5), (torch.bfloat16, torch.float32, 2e-2)],  # fmt: skip
+)
+@pytest.mark.parametrize("dim", [64, 128, 40])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", [0, 6])
+def test_kernel_matches_float64_attention(q_dtype, cache_dtype, tol, dim, group, window):
+    q, cache, table, lens = random_case(q_dtype, cache_dtype, group=group, dim=dim)
+    out = torch.full_like(q, float("nan"))
+    scale = dim**-0.5
+    torch.ops.pdserve.paged_decode_attention(out, q, cache.data, 1, table, lens, scale, window)
+    expected = reference(q, cache, 1, table, lens, scale, window)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+def test_kernel_reads_a_strided_query_and_the_right_layer():
+    q, cache, table, lens = random_case(torch.float32, torch.float32)
+    packed = q.transpose(0, 1).contiguous().transpose(0, 1)  # [B, Hq, D] with the token axis innermost-but-one
+    assert not packed.is_contiguous()
+    out = torch.empty_like(q)
+    for layer in range(3):
+        torch.ops.pdserve.paged_decode_attention(out, packed, cache.data, layer, table, lens, 0.125, 0)
+        expected = reference(q, cache, layer, table, lens, 0.125, 0)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_refuses_what_would_read_out_of_bounds():
+    q, cache, table, lens = random_case(torch.float32, torch.float32)
+    out = torch.empty_like(q)
+    op = torch.ops.pdserve.paged_decode_attention
+    with pytest.raises(RuntimeError, match="outside the block table"):
+        op(out, q, cache.data, 0, table, lens + table.shape[1] * 4, 0.125, 0)
+    bad = table.clone()
+    bad[0, 0] = cache.num_blocks
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(out, q, cache.data, 0, bad, lens, 0.125, 0)
+    with pytest.raises(RuntimeError, match="layer out of range"):
+        op(out, q, cache.data, 3, table, lens, 0.125, 0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        op(out.bfloat16(), q, cache.data, 0, table, lens, 0.125, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 1024), (1, 7, 512), (3, 1000)])
+def test_rms_norm_matches_transformers(dtype, shape):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    norm = LlamaRMSNorm(shape[-1], eps=1e-6)
+    norm.weight.data.copy_(torch.randn(shape[-1], generator=g))
+    norm = norm.to(dtype)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    with torch.inference_mode():
+        expected = norm(x)
+        got = torch.ops.pdserve.rms_norm(x, norm.weight, 1e-6)
+        strided = torch.ops.pdserve.rms_norm(torch.cat([x, x], -1)[..., : shape[-1]], norm.weight, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(strided, got, rtol=0, atol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    else:  # the same roundings; only the sum of squares may add in another order
+        assert (got == expected).float().mean() > 0.99
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-3)
+
+
+def test_engine_without_kernels_keeps_the_pytorch_paths(tiny_model_dir):
+    """``PDSERVE_CPU_KERNELS=0``: load() says why, the engine decodes through the gather/in-place paths."""
+    code = (
+        "from common.engine import cpu_kernels\n"
+        "from common.engine.engine import LLMEngine\n"
+        "from common.engine.config import EngineConfig\n"
+        "from common.engine.loader import load_model\n"
+        "from common.engine.sampling_params import SamplingParams\n"
+        "assert not cpu_kernels.load() and 'PDSERVE_CPU_KERNELS=0' in cpu_kernels.unavailable_reason()\n"
+        f"e = LLMEngine(load_model({tiny_model_dir('llama')!r}), EngineConfig())\n"
+        "assert not e.runner.decode_kernel\n"
+        "r = e.generate([[5, 6, 7]] * 2, SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))\n"
+        "print([x.token_ids for x in r])\n"
+    )
+    env = dict(os.environ, PDSERVE_CPU_KERNELS="0")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from common.engine.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.engine.loader import load_model
+    from common.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(load_model(tiny_model_dir("llama")), EngineConfig())
+    assert engine.runner.decode_kernel
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    assert str([r.token_ids for r in engine.generate([[5, 6, 7]] * 2, params)]) == done.stdout.strip()
