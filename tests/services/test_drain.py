@@ -99,12 +99,15 @@ def test_sigterm_drains_a_prefill_worker_finishing_its_prefills(slow_prefill_clu
             assert time.monotonic() - t0 < 2.0, "readiness did not turn false"
             time.sleep(0.02)
         thread.join(120)
+        # read before the next request: one routed while the router's view of the pool still lists the draining
+        # worker is refused there and retried elsewhere, which is that request's business, not this one's
+        retries_after = metric(c["http"], "pdserve:handoff_retries_total")
         assert busy.id not in workers(c["redis"])  # deregistered at once
         after = client.generate(prompt[:40], max_tokens=3, temperature=0.0, ignore_eos=True)
         assert after.prefill_worker_id not in ("", busy.id)
     result = outcome["result"]
     assert result.prefill_worker_id == busy.id  # finished where it ran: no retry
-    assert metric(c["http"], "pdserve:handoff_retries_total") == retries_before
+    assert retries_after == retries_before
     assert result.token_ids == hf_greedy(hf_reference(model_dir), prompt, 4)
     exit_line = f"{busy.id} (pid {busy.pid}) exited with code 0"
     wait_for(lambda: any(exit_line in line for line in c["stderr"]), 30, exit_line)
