@@ -20,6 +20,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float to_float(float x) { return x; }
@@ -52,8 +56,8 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Asks for the rows of the sequence's next block while the current one is read: blocks are scattered, and
-// a miss at each block's start (the hardware prefetcher stops at a jump) cost more than the arithmetic.
+// Asks for the rows of a block two ahead of the one being read: blocks are scattered, and a miss at each
+// block's start (the hardware prefetcher stops at a jump) cost more than the arithmetic.
 template <typename cache_t>
 inline void prefetch_block(const cache_t* plane, const int64_t* blocks, int64_t next_pos, int64_t end,
                            int64_t block_size, int64_t dim) {
@@ -71,6 +75,52 @@ template <typename cache_t>
 inline __attribute__((always_inline)) void load_row(float* dst, const cache_t* src, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// q . k over one head. The AVX-512 build sums in two vector chains and reduces once with a shuffle tree: the
+// compiler's own reduction of the simd loop ends in sixteen dependent scalar adds, the kernel's bottleneck.
+template <int64_t DIM>
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t dim) {
+#if defined(__AVX512F__)
+  if constexpr (DIM > 0 && DIM % 32 == 0) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    for (int64_t d = 0; d < DIM; d += 32) {
+      s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s0);
+      s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), s1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  }
+#endif
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < dim; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// acc += sum over r < count of w[r] * rows[r]: the accumulator stays in registers across the rows (in memory,
+// each row's update waits on the last one's store).
+template <int64_t DIM>
+inline void weighted_rows(float* __restrict__ acc, const float* __restrict__ w, const float* __restrict__ rows,
+                          int64_t count, int64_t dim) {
+#if defined(__AVX512F__)
+  if constexpr (DIM > 0 && DIM % 16 == 0 && DIM <= 256) {
+    constexpr int64_t V = DIM / 16;
+    __m512 a[V];
+    for (int64_t c = 0; c < V; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (int64_t r = 0; r < count; ++r) {
+      const __m512 wr = _mm512_set1_ps(w[r]);
+      for (int64_t c = 0; c < V; ++c) a[c] = _mm512_fmadd_ps(wr, _mm512_loadu_ps(rows + r * DIM + 16 * c), a[c]);
+    }
+    for (int64_t c = 0; c < V; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < count; ++r) {
+    const float wr = w[r];
+    const float* v = rows + r * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) acc[d] += wr * v[d];
+  }
 }
 
 // DIM > 0: the head size as a constant (the inner loops unroll into a few vector instructions); 0: any size.
@@ -109,21 +159,19 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       }
       scores.resize(group * n);
       // scores, one block's keys at a time: its rows in float once, then every query head over them
-      prefetch_block(v_plane, blocks, first, len, block_size, dim);
+      const int64_t second = first - first % block_size + block_size;  // the start of the item's second block
+      for (const cache_t* plane : {k_plane, v_plane}) {
+        prefetch_block(plane, blocks, first, len, block_size, dim);
+        prefetch_block(plane, blocks, second, len, block_size, dim);
+      }
       for (int64_t pos = first; pos < len;) {
         const int64_t off = pos % block_size, count = std::min(block_size - off, len - pos);
-        prefetch_block(k_plane, blocks, pos - off + block_size, len, block_size, dim);
+        prefetch_block(k_plane, blocks, pos - off + 2 * block_size, len, block_size, dim);
         load_row(rows.data(), k_plane + (blocks[pos / block_size] * block_size + off) * dim, count * dim);
         for (int64_t j = 0; j < group; ++j) {
           const float* __restrict__ qj = q.data() + j * dim;
           float* __restrict__ sj = scores.data() + j * n + (pos - first);
-          for (int64_t r = 0; r < count; ++r) {
-            const float* __restrict__ k = rows.data() + r * dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qj[d] * k[d];
-            sj[r] = dot;
-          }
+          for (int64_t r = 0; r < count; ++r) sj[r] = dot<DIM>(qj, rows.data() + r * dim, dim);
         }
         pos += count;
       }
@@ -143,18 +191,10 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t pos = first; pos < len;) {
         const int64_t off = pos % block_size, count = std::min(block_size - off, len - pos);
-        prefetch_block(v_plane, blocks, pos - off + block_size, len, block_size, dim);
+        prefetch_block(v_plane, blocks, pos - off + 2 * block_size, len, block_size, dim);
         load_row(rows.data(), v_plane + (blocks[pos / block_size] * block_size + off) * dim, count * dim);
-        for (int64_t j = 0; j < group; ++j) {
-          float* __restrict__ a = acc.data() + j * dim;
-          const float* __restrict__ pj = scores.data() + j * n + (pos - first);
-          for (int64_t r = 0; r < count; ++r) {
-            const float* __restrict__ v = rows.data() + r * dim;
-            const float w = pj[r];
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
-          }
-        }
+        for (int64_t j = 0; j < group; ++j)
+          weighted_rows<DIM>(acc.data() + j * dim, scores.data() + j * n + (pos - first), rows.data(), count, dim);
         pos += count;
       }
       for (int64_t j = 0; j < group; ++j) {
