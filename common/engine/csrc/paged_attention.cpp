@@ -13,6 +13,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,14 +28,8 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using pdserve::round_to;
+using pdserve::to_float;
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum), within 2 ulp, in plain arithmetic that the
 // compiler vectorizes (std::exp is a scalar libm call: a third of the kernel's time).
@@ -67,9 +63,6 @@ inline void prefetch_block(const cache_t* plane, const int64_t* blocks, int64_t 
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-inline void store(float* dst, float x) { *dst = x; }
-
-inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }  // round to nearest even
 
 template <typename cache_t>
 inline __attribute__((always_inline)) void load_row(float* dst, const cache_t* src, int64_t n) {
@@ -200,7 +193,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       for (int64_t j = 0; j < group; ++j) {
         q_t* dst = o_base + b * o_s0 + (h * group + j) * o_s1;
         const float inv = 1.f / total[j];
-        for (int64_t d = 0; d < dim; ++d) store(dst + d, acc[j * dim + d] * inv);
+        for (int64_t d = 0; d < dim; ++d) dst[d] = round_to<q_t>(acc[j * dim + d] * inv);
       }
     }
   });
