@@ -26,11 +26,23 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "rms_norm.cpp")]
-OPS = ("paged_decode_attention", "rms_norm")
+SOURCES = [Path(__file__).with_name("csrc") / f for f in ("paged_attention.cpp", "rms_norm.cpp", "bf16_linear.cpp")]
+OPS = ("paged_decode_attention", "rms_norm", "bf16_linear")
 _lock = threading.Lock()
 _loaded: bool | None = None
 _error: str = ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in info.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def _cpu_digest() -> str:

@@ -26,6 +26,8 @@ import logging
 
 import torch
 
+from common.engine import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -38,29 +40,49 @@ _LLAMA_STYLE_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", 
 
 
 class PackedLinear(torch.nn.Module):
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    """A linear layer over a pre-packed weight: oneDNN's packing, or with ``kernel`` for a bf16 weight on a CPU
+    with AVX512-BF16 the engine's own pair layout (``torch.ops.pdserve.bf16_linear``, faster than oneDNN at one
+    row and as fast at 16 to 512 measured on a Zen 4 VM; see common/engine/csrc/bf16_linear.cpp)."""
+
+    def __init__(self, linear: torch.nn.Linear, kernel: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        weight = linear.weight.detach()
+        self.own = kernel and _own_bf16_packing(weight)
+        if self.own:
+            packed = torch.ops.pdserve.pack_bf16_pairs(weight)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.weight = torch.nn.Parameter(packed, requires_grad=False)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     @classmethod
-    def concatenated(cls, linears: list[torch.nn.Linear]) -> PackedLinear:
+    def concatenated(cls, linears: list[torch.nn.Linear], kernel: bool = False) -> PackedLinear:
         """One packed layer whose output is the outputs of ``linears`` side by side."""
         cat = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                               bias=linears[0].bias is not None, device="meta")  # fmt: skip
         cat.weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
         if cat.bias is not None:
             cat.bias = torch.nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
-        return cls(cat)
+        return cls(cat, kernel=kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own and x.dtype == torch.bfloat16:
+            return torch.ops.pdserve.bf16_linear(x, self.weight, self.bias, self.out_features)
+        if self.own:  # another dtype than the weight's: what F.linear would do with the original weight
+            raise RuntimeError(f"a bf16 packed linear layer got a {x.dtype} input")
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _own_bf16_packing(weight: torch.Tensor) -> bool:
+    """Whether a bf16 weight goes to the engine's pair packing. Not on CPUs with AMX: there oneDNN's AMX tiles
+    run the many-row shapes (prefill) at up to twice what vdpbf16ps can, and one packing serves all shapes."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
+            and "amx_bf16" not in cpu_kernels.cpu_flags() and torch.ops.pdserve.bf16_linear_supported())  # fmt: skip
 
 
 class FusedLinear(torch.nn.Module):
@@ -70,9 +92,9 @@ class FusedLinear(torch.nn.Module):
     so each forward pass computes the product once and holds it no longer than the block runs.
     """
 
-    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+    def __init__(self, linears: list[torch.nn.Linear], kernel: bool = False) -> None:
         super().__init__()
-        self.linear = PackedLinear.concatenated(linears)
+        self.linear = PackedLinear.concatenated(linears, kernel=kernel)
         ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends))
         # [input, its product, parts not yet served]: a plain list, as nn.Module.__setattr__ costs ~2 µs a field
@@ -147,7 +169,7 @@ def fuse_rms_norms(model: torch.nn.Module, kernel: bool = False) -> int:
     return done
 
 
-def _fuse_siblings(model: torch.nn.Module) -> int:
+def _fuse_siblings(model: torch.nn.Module, kernel: bool = False) -> int:
     """Fuse each group of :data:`_SIBLINGS` that are plain packable ``nn.Linear`` layers of one input size,
     dtype and bias-ness; returns how many layers were fused."""
     done = 0
@@ -163,7 +185,7 @@ def _fuse_siblings(model: torch.nn.Module) -> int:
             if not packing_supported(first.weight.dtype, first.weight.device):
                 continue
             try:
-                fused = FusedLinear(layers)
+                fused = FusedLinear(layers, kernel=kernel)
                 with torch.inference_mode():
                     x = torch.randn(3, first.in_features, dtype=first.weight.dtype)
                     tol = 1e-3 if x.dtype == torch.float32 else 1e-1
@@ -191,14 +213,15 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in _PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
 
 
-def pack_linear_layers(model: torch.nn.Module) -> int:
+def pack_linear_layers(model: torch.nn.Module, kernel: bool = False) -> int:
     """Replace each CPU ``nn.Linear`` of ``model`` (fp32/bf16, plain weight) by a :class:`PackedLinear`, sibling
-    projections fused into a :class:`FusedLinear` first; returns how many layers were packed.
+    projections fused into a :class:`FusedLinear` first; returns how many layers were packed. ``kernel``: the
+    engine's CPU kernels are loaded (bf16 weights then use its own packing where the CPU has AVX512-BF16).
 
     A layer whose packed result differs from ``F.linear`` by more than summation-order noise is left
     alone (the check runs once per layer on a small random input).
     """
-    fused_layers = _fuse_siblings(model)
+    fused_layers = _fuse_siblings(model, kernel=kernel)
     swaps = []
     for parent in model.modules():
         for name, child in parent.named_children():
@@ -209,7 +232,7 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     done = 0
     for parent, name, child in swaps:
         try:
-            packed = PackedLinear(child)
+            packed = PackedLinear(child, kernel=kernel)
             with torch.inference_mode():
                 x = torch.randn(3, child.in_features, dtype=child.weight.dtype)
                 expected = torch.nn.functional.linear(x, child.weight, child.bias)

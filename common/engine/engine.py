@@ -101,7 +101,7 @@ class LLMEngine(KVHandoffMixin):
         loaded.model.set_attn_implementation(attention.register())
         kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels.load()
         if config.cpu_packed_linear and packing_supported(loaded.dtype, self.device) and tp is None:
-            pack_linear_layers(loaded.model)
+            pack_linear_layers(loaded.model, kernel=kernels)
             fuse_rms_norms(loaded.model, kernel=kernels)
         self.block_pool = BlockPool(num_blocks)
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)

@@ -117,6 +117,26 @@ def test_rms_norm_matches_transformers(dtype, shape):
         torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-3)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 300])
+@pytest.mark.parametrize("out_features,bias", [(64, False), (1000, True), (70, True)])
+def test_bf16_linear_matches_float_matmul(rows, out_features, bias):
+    """The engine's bf16 linear over its pair packing: every row count path (1, tiles of 8 and 4, the rest),
+    output features that are not a multiple of the 32 a tile covers, bias; one bf16 rounding of the output."""
+    if not torch.ops.pdserve.bf16_linear_supported():
+        pytest.skip("this build has no AVX512-BF16")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_features, 256, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    x = torch.randn(2, rows, 256, generator=g).bfloat16()[1:]  # [1, rows, K]
+    packed = torch.ops.pdserve.pack_bf16_pairs(w)
+    got = torch.ops.pdserve.bf16_linear(x, packed, b, out_features)
+    expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (1, rows, out_features)
+    torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-2)
+    with pytest.raises(RuntimeError, match="even number"):
+        torch.ops.pdserve.pack_bf16_pairs(torch.zeros(4, 3, dtype=torch.bfloat16))
+
+
 def test_engine_without_kernels_keeps_the_pytorch_paths(tiny_model_dir):
     """``PDSERVE_CPU_KERNELS=0``: load() says why, the engine decodes through the gather/in-place paths."""
     code = (

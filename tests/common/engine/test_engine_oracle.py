@@ -167,3 +167,34 @@ def test_bf16_logits_close_to_stock_bf16(tiny_model_dir):
             ref = reference(torch.tensor([request.all_token_ids])).logits[0, -1].float()
         assert (row - ref).abs().max().item() < 0.15
         assert int(row.argmax()) == int(ref.argmax())
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "pytorch"])
+def test_bf16_decode_logits_close_to_stock_bf16(tiny_model_dir, kernels):
+    """Decode steps of a bf16 batch (the engine's CPU kernels: bf16 linear layers in its own packing where the CPU
+    has AVX512-BF16, decode attention, RMSNorm; or the PyTorch paths) stay within bf16 rounding of stock bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from common.engine import cpu_kernels
+    from common.engine.cpu_linear import PackedLinear
+
+    if kernels and not cpu_kernels.load():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    d = tiny_model_dir("llama")
+    engine = LLMEngine(load_model(d, dtype="bfloat16"), EngineConfig(cpu_kernels=kernels))
+    packed = [m for m in engine.loaded.model.modules() if isinstance(m, PackedLinear)]
+    own = kernels and bool(torch.ops.pdserve.bf16_linear_supported()) and "amx_bf16" not in cpu_kernels.cpu_flags()
+    assert packed and all(m.own == own for m in packed)
+    reference = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    for p in make_prompts(engine.vocab_size, lens=[5, 50, 200], seed=4):
+        engine.add_request(p, SamplingParams(max_new_tokens=8, **GREEDY))
+    for _ in range(5):  # the prefill step, then decode steps
+        engine.step()
+    sched = engine.scheduler.schedule()
+    assert all(n == 1 for _, n in sched.scheduled)
+    batch = engine.runner.prepare(sched.scheduled)
+    logits = engine.runner.run(batch)
+    for row, request in zip(logits, batch.sampling_requests):
+        with torch.no_grad():
+            ref = reference(torch.tensor([request.all_token_ids])).logits[0, -1].float()
+        assert (row - ref).abs().max().item() < 0.15
