@@ -17,3 +17,9 @@ def model_dir(model: str, size: str) -> str:
 
         build_tiny("llama", path, size=size)
     return str(path)
+
+
+def kernel_use(engine) -> dict[str, bool]:
+    """Which of the engine's CPU kernels this engine runs (figures depend on it; see common/engine/cpu_kernels)."""
+    own_linear = any(getattr(m, "own", False) for m in engine.loaded.model.modules())
+    return {"attention_rmsnorm": bool(engine.runner.decode_kernel), "bf16_linear": own_linear}

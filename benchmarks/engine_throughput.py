@@ -36,7 +36,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from bench_models import model_dir  # noqa: E402
+from bench_models import kernel_use, model_dir  # noqa: E402
 
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
@@ -119,6 +119,9 @@ def main() -> int:
     engine.generate([[5] * 64, [6] * 300], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
     hf.generate(torch.tensor([[5] * 64]), max_new_tokens=8, do_sample=False, pad_token_id=pad_id)
 
+    kernels = kernel_use(engine)
+    if not args.json:
+        print("engine CPU kernels: " + ", ".join(f"{k} {'on' if v else 'off'}" for k, v in kernels.items()))
     rows = []
     for name in args.workloads.split(","):
         prompts, new = workload(name, engine.vocab_size)
@@ -155,7 +158,7 @@ def main() -> int:
                       f" | c/b {row['c_over_b_decode']:5.2f}x", flush=True)
     if args.json:
         print(json.dumps({"machine": platform.machine(), "threads": args.threads, "torch": torch.__version__,
-                          "rows": rows}))
+                          "cpu_kernels": kernels, "rows": rows}))
     return 0 if all(r["c_equals_a"] for r in rows) else 1
 
 

@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from bench_models import model_dir  # noqa: E402
+from bench_models import kernel_use, model_dir  # noqa: E402
 
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
@@ -184,6 +184,7 @@ def main() -> int:
         "matmul_gflops": {k: v / 1e9 for k, v in peak.items()}, "copy_gb_s": bandwidth / 1e9,
         "prefill_tokens": args.prompt_len, "prefill_gflop": flops / 1e9,
         "decode_step_mb": step_bytes / 1e6, "decode_roofline_tok_s": bandwidth / step_bytes,
+        "cpu_kernels": kernel_use(engine),
     }
     t = engine_prefill_s(engine, prompt)
     result["engine_prefill_tok_s"] = args.prompt_len / t
@@ -209,7 +210,8 @@ def main() -> int:
     print(f"machine: matmul fp32 {result['matmul_gflops']['float32']:.0f} GFLOP/s, "
           f"bf16 {result['matmul_gflops']['bfloat16']:.0f} GFLOP/s, copy {result['copy_gb_s']:.1f} GB/s "
           f"({args.threads} threads, torch {torch.__version__})")
-    print(f"model: {path} ({shape.total_params / 1e6:.0f}M params, {dtype}, tied embeddings {shape.tied})")
+    print(f"model: {path} ({shape.total_params / 1e6:.0f}M params, {dtype}, tied embeddings {shape.tied}); "
+          "engine CPU kernels: " + ", ".join(f"{k} {'on' if v else 'off'}" for k, v in result["cpu_kernels"].items()))
     print(f"prefill of {args.prompt_len} tokens ({flops / 1e9:.1f} GFLOP; roofline {peak[dtype] / 1e9:.0f} GFLOP/s):")
     print(f"  engine {result['engine_prefill_tok_s']:8.0f} tok/s  {result['engine_prefill_of_peak']:6.1%} of peak")
     if hf is not None:
