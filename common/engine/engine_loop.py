@@ -97,12 +97,16 @@ class RequestStream:
 
         ``min_tokens`` > 1 (a stream interval): then also wait for later outputs until the merge holds that many
         tokens, the request ends, or ``linger_s`` has passed since the first output was taken, so a token is
-        held back at most ``linger_s``. Callers pass 1 for a request's first token, which never waits."""
+        held back at most ``linger_s``; and merge no more than that (a reader that fell behind catches up in
+        messages of ``min_tokens``, the interval's promise). Callers pass 1 for a request's first token, which
+        never waits."""
         first = self.get(timeout_s)
         merged = [first]
         tokens = len(first.new_token_ids)
         give_up = None
         while not (merged[-1].finished or merged[-1].prefilled):
+            if min_tokens > 1 and tokens >= min_tokens:
+                break
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:

@@ -192,6 +192,11 @@ def test_a_stream_interval_waits_for_that_many_tokens_but_never_past_the_linger_
     assert (merged.new_token_ids, merged.finished) == ([6, 7], True)
     assert time.monotonic() - t0 < 1
 
+    for i in range(9, 14):  # a reader behind by five outputs: caught up in messages of the interval, not more
+        stream._put(_out([i], "x"))
+    assert stream.get_pending(timeout_s=1, min_tokens=4, linger_s=5).new_token_ids == [9, 10, 11, 12]
+    assert stream.get_pending(timeout_s=1, min_tokens=4, linger_s=0.05).new_token_ids == [13]
+
     stream._put(_out([8], "h"))
     stream._fail(RuntimeError("step failed"))  # an error too: what came before it first, then the error
     assert stream.get_pending(timeout_s=1, min_tokens=5, linger_s=5).new_token_ids == [8]
