@@ -44,14 +44,15 @@ class AttentionGroup:
 
     ``block_table`` and ``seq_lens`` are set for a decode group when the engine's CPU kernel is loaded
     (:mod:`common.engine.cpu_kernels`): ``torch.ops.pdserve.paged_decode_attention`` then reads each
-    sequence's keys in place from the paged cache, no gather, no mask, no padding.
+    sequence's keys in place from the paged cache, no gather (``gather_index`` is None), no mask, no padding.
 
     ``fresh_prompt`` is set for a prefill group of one sequence computed from position 0 in this step (a
     prompt in one chunk, the usual work of a prefill worker): its queries attend causally to the step's own
     K/V (``is_causal`` SDPA, the kernel stock models use), no gather, no mask; ``num_keys`` is its length.
     """
 
-    gather_index: torch.Tensor  # what PagedKVCache.gather reads: the group's block table [B, nb], flattened
+    # what PagedKVCache.gather reads: the group's block table [B, nb], flattened (None on the CPU kernel)
+    gather_index: torch.Tensor | None
     query_pos: torch.Tensor  # [B, Q] int64 absolute position of each query (padding → 0)
     token_start: int = 0
     token_index: torch.Tensor | None = None  # [B, Q] int64

@@ -14,6 +14,7 @@ returns False once with a warning and the engine keeps its pure-PyTorch paths, w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -33,13 +34,20 @@ _loaded: bool | None = None
 _error: str = ""
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+@functools.cache
+def _cpuinfo_lines() -> tuple[str, ...]:
+    """/proc/cpuinfo's model and feature lines, one of each kind (read once: it is large on big machines)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    for line in info.splitlines():
+        return (platform.processor() or platform.machine(),)
+    return tuple(sorted({line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))}))
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    for line in _cpuinfo_lines():
         if line.startswith(("flags", "Features")):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
@@ -47,12 +55,7 @@ def cpu_flags() -> frozenset[str]:
 
 def _cpu_digest() -> str:
     """A digest of what ``-march=native`` depends on: the CPU's model name and feature flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        info = platform.processor() or platform.machine()
-    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
-    return hashlib.sha256("\n".join(sorted(set(keep))).encode()).hexdigest()[:10]
+    return hashlib.sha256("\n".join(_cpuinfo_lines()).encode()).hexdigest()[:10]
 
 
 def _put_ninja_on_path() -> None:

@@ -55,7 +55,10 @@ class PackedLinear(torch.nn.Module):
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.weight = torch.nn.Parameter(packed, requires_grad=False)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        bias = None if linear.bias is None else linear.bias.detach()
+        if bias is not None and self.own:  # the kernel adds the bias in float: convert it once, not per call
+            bias = bias.float()
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def concatenated(cls, linears: list[torch.nn.Linear], kernel: bool = False) -> PackedLinear:
@@ -68,10 +71,8 @@ class PackedLinear(torch.nn.Module):
         return cls(cat, kernel=kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.own and x.dtype == torch.bfloat16:
+        if self.own:  # bf16_linear refuses any other input dtype, as F.linear would with a bf16 weight
             return torch.ops.pdserve.bf16_linear(x, self.weight, self.bias, self.out_features)
-        if self.own:  # another dtype than the weight's: what F.linear would do with the original weight
-            raise RuntimeError(f"a bf16 packed linear layer got a {x.dtype} input")
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
 
     def extra_repr(self) -> str:

@@ -72,13 +72,13 @@ class ModelRunner:
         num_decode = len(decode)
         if num_decode:
             nb = (int(start_t[:num_decode].max()) // bs) + 1
-            group = AttentionGroup(
-                gather_index=self.kv_cache.gather_index(table[:num_decode, :nb]),
-                query_pos=start_t[:num_decode, None],
-            )
+            decode_table = table[:num_decode, :nb]
             if self.decode_kernel:
-                group.block_table = table[:num_decode, :nb].contiguous()
-                group.seq_lens = start_t[:num_decode] + 1
+                group = AttentionGroup(gather_index=None, query_pos=start_t[:num_decode, None],
+                                       block_table=decode_table.contiguous(), seq_lens=start_t[:num_decode] + 1)
+            else:
+                group = AttentionGroup(gather_index=self.kv_cache.gather_index(decode_table),
+                                       query_pos=start_t[:num_decode, None])  # fmt: skip
             groups.append(group)
         if prefill:
             p_len = len_t[num_decode:]
@@ -126,12 +126,14 @@ class ModelRunner:
         table = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.long, device=dev)
         slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, pos)], dtype=torch.long, device=dev)
         position_ids = torch.tensor([pos], dtype=torch.long, device=dev)
-        group = AttentionGroup(gather_index=self.kv_cache.gather_index(table), query_pos=position_ids.view(-1, 1))
-        if self.decode_kernel:
-            group.block_table = table
-            group.seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.long)
-        elif len(reqs) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + nb)):
-            group.first_block, group.num_keys = tables[0][0], pos[0] + 1
+        query_pos = position_ids.view(-1, 1)
+        if self.decode_kernel:  # the kernel reads the table itself: no gather index
+            seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.long)
+            group = AttentionGroup(gather_index=None, query_pos=query_pos, block_table=table, seq_lens=seq_lens)
+        else:
+            group = AttentionGroup(gather_index=self.kv_cache.gather_index(table), query_pos=query_pos)
+            if len(reqs) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + nb)):
+                group.first_block, group.num_keys = tables[0][0], pos[0] + 1
         sampling = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens]
         return StepBatch(
             input_ids=torch.tensor([[r.all_token_ids[p] for r, p in zip(reqs, pos)]], dtype=torch.long, device=dev),

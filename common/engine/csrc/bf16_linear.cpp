@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -101,7 +102,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
                        int64_t n) {
 #ifdef PDSERVE_BF16_LINEAR
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "bf16_linear takes bf16 CPU tensors");
+              "bf16_linear takes bf16 CPU tensors, got x ", x.scalar_type(), " on ", x.device(), " and packed ",
+              packed.scalar_type());
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
               "packed must come from pack_bf16_pairs");
   const int64_t k = x.size(-1), kp_count = packed.size(1), blocks = packed.size(0);

@@ -160,13 +160,18 @@ def test_bf16_logits_close_to_stock_bf16(tiny_model_dir):
     for p in prompts:
         engine.add_request(p, SamplingParams(max_new_tokens=2, **GREEDY))
     sched = engine.scheduler.schedule()
-    batch = engine.runner.prepare(sched.scheduled)
-    logits = engine.runner.run(batch)
-    for row, request in zip(logits, batch.sampling_requests):
-        with torch.no_grad():
-            ref = reference(torch.tensor([request.all_token_ids])).logits[0, -1].float()
+    for row, ref in next_logits_and_stock(engine, reference, sched.scheduled):
         assert (row - ref).abs().max().item() < 0.15
         assert int(row.argmax()) == int(ref.argmax())
+
+
+def next_logits_and_stock(engine: LLMEngine, reference, scheduled) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run one scheduled step by hand: each sampling request's logits beside stock's for the same tokens."""
+    batch = engine.runner.prepare(scheduled)
+    logits = engine.runner.run(batch)
+    with torch.no_grad():
+        return [(row, reference(torch.tensor([r.all_token_ids])).logits[0, -1].float())
+                for row, r in zip(logits, batch.sampling_requests)]  # fmt: skip
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "pytorch"])
@@ -192,9 +197,5 @@ def test_bf16_decode_logits_close_to_stock_bf16(tiny_model_dir, kernels):
         engine.step()
     sched = engine.scheduler.schedule()
     assert all(n == 1 for _, n in sched.scheduled)
-    batch = engine.runner.prepare(sched.scheduled)
-    logits = engine.runner.run(batch)
-    for row, request in zip(logits, batch.sampling_requests):
-        with torch.no_grad():
-            ref = reference(torch.tensor([request.all_token_ids])).logits[0, -1].float()
+    for row, ref in next_logits_and_stock(engine, reference, sched.scheduled):
         assert (row - ref).abs().max().item() < 0.15
