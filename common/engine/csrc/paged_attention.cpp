@@ -219,10 +219,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(query.device().is_cpu() && cache.device().is_cpu(), "paged_decode_attention runs on the CPU");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [B, Hq, D]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a unit stride on the last axis");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out and query must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out and query must share a dtype, got ", out.scalar_type(),
+              " and ", query.scalar_type());
   TORCH_CHECK(cache.dim() == 6 && cache.size(1) == 2 && cache.is_contiguous(), "cache must be [L, 2, H, NB, bs, D]");
   TORCH_CHECK(cache.size(5) == query.size(2) && query.size(1) % cache.size(2) == 0, "head shapes do not match");
-  TORCH_CHECK(layer >= 0 && layer < cache.size(0), "layer out of range");
+  TORCH_CHECK(layer >= 0 && layer < cache.size(0), "layer out of range: ", layer, " (the cache has ", cache.size(0),
+              ")");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
                   block_table.size(0) == query.size(0),
               "block_table must be a contiguous [B, nb] int64 tensor");

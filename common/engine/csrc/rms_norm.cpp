@@ -42,7 +42,8 @@ void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, int64_t x_s
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "pdserve::rms_norm runs on the CPU");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype, got ", x.scalar_type(),
+              " and ", weight.scalar_type());
   const int64_t n = weight.numel();
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && x.dim() >= 1 && x.size(-1) == n,
               "weight must be a contiguous [N] tensor and x [..., N]");
