@@ -40,9 +40,10 @@ _LLAMA_STYLE_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", 
 
 
 class PackedLinear(torch.nn.Module):
-    """A linear layer over a pre-packed weight: oneDNN's packing, or with ``kernel`` for a bf16 weight on a CPU
-    with AVX512-BF16 the engine's own pair layout (``torch.ops.pdserve.bf16_linear``, faster than oneDNN at one
-    row and as fast at 16 to 512 measured on a Zen 4 VM; see common/engine/csrc/bf16_linear.cpp)."""
+    """A linear layer over a pre-packed weight: oneDNN's packing, or with ``kernel`` for a bf16 weight on an x86 CPU
+    without AMX the engine's own pair layout (``torch.ops.pdserve.bf16_linear``). With AVX512-BF16 it is faster
+    than oneDNN at one row and as fast at 16 to 512 (a Zen 4 VM); with AVX2 alone, where oneDNN packs no bf16
+    and torch's bf16 matmul is a scalar loop, it is the only fast path (see common/engine/csrc/bf16_linear.cpp)."""
 
     def __init__(self, linear: torch.nn.Linear, kernel: bool = False) -> None:
         super().__init__()
@@ -217,7 +218,7 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 def pack_linear_layers(model: torch.nn.Module, kernel: bool = False) -> int:
     """Replace each CPU ``nn.Linear`` of ``model`` (fp32/bf16, plain weight) by a :class:`PackedLinear`, sibling
     projections fused into a :class:`FusedLinear` first; returns how many layers were packed. ``kernel``: the
-    engine's CPU kernels are loaded (bf16 weights then use its own packing where the CPU has AVX512-BF16).
+    engine's CPU kernels are loaded (bf16 weights then use its own packing where the CPU has no AMX).
 
     A layer whose packed result differs from ``F.linear`` by more than summation-order noise is left
     alone (the check runs once per layer on a small random input).

@@ -117,13 +117,14 @@ def test_rms_norm_matches_transformers(dtype, shape):
         torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-3)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 300])
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 16, 17, 300])
 @pytest.mark.parametrize("out_features,bias", [(64, False), (1000, True), (70, True)])
 def test_bf16_linear_matches_float_matmul(rows, out_features, bias):
-    """The engine's bf16 linear over its pair packing: every row count path (1, tiles of 8 and 4, the rest),
-    output features that are not a multiple of the 32 a tile covers, bias; one bf16 rounding of the output."""
+    """The engine's bf16 linear over its pair packing: every row count path (AVX512-BF16: 1, tiles of 8 and 4, the
+    rest; AVX2: 1, tiles of 6 and of 1 to 5, row chunks), output features that are not a multiple of the 16 or 32
+    a tile covers, bias; one bf16 rounding of the output."""
     if not torch.ops.pdserve.bf16_linear_supported():
-        pytest.skip("this build has no AVX512-BF16")
+        pytest.skip("this build has neither AVX512-BF16 nor AVX2 with FMA")
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, 256, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16() if bias else None
@@ -135,6 +136,20 @@ def test_bf16_linear_matches_float_matmul(rows, out_features, bias):
     torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-2)
     with pytest.raises(RuntimeError, match="even number"):
         torch.ops.pdserve.pack_bf16_pairs(torch.zeros(4, 3, dtype=torch.bfloat16))
+
+
+def test_bf16_linear_many_rows_over_column_slices():
+    """Prefill-sized inputs with wide rows: the AVX2 build widens the weight a slice of columns at a time (512 at
+    2048 inputs, so 1000 outputs take a full slice and a shorter last one) for torch's fp32 GEMM."""
+    if not torch.ops.pdserve.bf16_linear_supported():
+        pytest.skip("this build has neither AVX512-BF16 nor AVX2 with FMA")
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(1000, 2048, generator=g).bfloat16()
+    b = torch.randn(1000, generator=g).bfloat16()
+    x = torch.randn(130, 2048, generator=g).bfloat16()
+    got = torch.ops.pdserve.bf16_linear(x, torch.ops.pdserve.pack_bf16_pairs(w), b.float(), 1000)
+    expected = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=5e-2)
 
 
 def test_engine_without_kernels_keeps_the_pytorch_paths(tiny_model_dir):
