@@ -39,6 +39,10 @@ RUN python -m venv /opt/venv \
         --index-url https://download.pytorch.org/whl/cpu
 COPY --from=wheel /wheels /wheels
 RUN /opt/venv/bin/pip install --no-cache-dir /wheels/*.whl
+# The engine's CPU kernels, one library per instruction-set level (x86-64-v4 + AVX512-BF16, v3, baseline): the
+# runtime images carry no compiler, so the workers load the best variant their CPU runs (PDSERVE_CPU_KERNELS_DIR).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+    && /opt/venv/bin/python -m common.engine.cpu_kernels --prebuild /opt/venv/share/pdserve-cpu-kernels
 
 # -- 2b. CUDA: the same on the CUDA runtime image (Ubuntu's python3), torch from the cu128 index ---------------
 FROM cuda-base AS cuda-venv
@@ -49,6 +53,9 @@ RUN python3 -m venv /opt/venv \
 COPY --from=wheel /wheels /wheels
 # extras: gpu (nvidia-ml-py: the pdserve:gpu_* gauges) and quant (torchao: --quantization int8-weight-only)
 RUN /opt/venv/bin/pip install --no-cache-dir --find-links /wheels "pdserve[gpu,quant]"
+# the CPU kernels as in cpu-venv (used when a CUDA image serves on the CPU)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+    && /opt/venv/bin/python -m common.engine.cpu_kernels --prebuild /opt/venv/share/pdserve-cpu-kernels
 
 # -- 3. runtime targets: keep these two blocks identical below their FROM/COPY lines --------------------------
 # (tests/deploy/test_dockerfile.py checks that they are).
@@ -66,7 +73,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     TOKENIZERS_PARALLELISM=false \
     PDSERVE_HOST=0.0.0.0 \
     PDSERVE_METRICS_PORT=9100 \
-    PDSERVE_MODEL=/models/default
+    PDSERVE_MODEL=/models/default \
+    PDSERVE_CPU_KERNELS_DIR=/opt/venv/share/pdserve-cpu-kernels
 VOLUME ["/models"]
 WORKDIR /home/pdserve
 USER 10001:10001
@@ -89,7 +97,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     TOKENIZERS_PARALLELISM=false \
     PDSERVE_HOST=0.0.0.0 \
     PDSERVE_METRICS_PORT=9100 \
-    PDSERVE_MODEL=/models/default
+    PDSERVE_MODEL=/models/default \
+    PDSERVE_CPU_KERNELS_DIR=/opt/venv/share/pdserve-cpu-kernels
 VOLUME ["/models"]
 WORKDIR /home/pdserve
 USER 10001:10001

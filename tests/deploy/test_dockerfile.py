@@ -250,6 +250,19 @@ def test_runtime_targets_are_configured_alike(stages):
     assert cpu == cuda
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_images_carry_prebuilt_cpu_kernels_where_the_runtime_looks(stages, target):
+    """The venv stage compiles the CPU kernels' variants (a compiler there, none at run time) into the venv, and
+    the runtime points PDSERVE_CPU_KERNELS_DIR at that folder, which the venv copy brings along."""
+    folder = _env(stages[target])["PDSERVE_CPU_KERNELS_DIR"]
+    assert folder.startswith("/opt/venv/")
+    runs = [" ".join(c.value) for c in stages[f"{target}-venv"].all("RUN")]
+    prebuild = [r for r in runs if "-m common.engine.cpu_kernels --prebuild" in r]
+    assert prebuild and prebuild[0].split("--prebuild", 1)[1].split()[0] == folder
+    assert "g++" in prebuild[0] and prebuild[0].index("g++") < prebuild[0].index("--prebuild")
+    assert any(c.value[-1] == "/opt/venv" and f"--from={target}-venv" in c.flags for c in stages[target].all("COPY"))
+
+
 def test_torch_comes_from_the_right_index_and_satisfies_pyproject(stages, global_args):
     from packaging.specifiers import SpecifierSet
 

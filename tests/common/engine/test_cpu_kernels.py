@@ -2,10 +2,11 @@
 scattered blocks, lengths on and across block edges, grouped-query heads, sliding windows, head sizes with
 and without a specialised build, fp32 and bf16 (queries and cache of either), strided queries; bad
 arguments raise instead of reading out of bounds. RMSNorm against transformers' own ``LlamaRMSNorm``.
-Without the kernels the engine keeps its PyTorch paths."""
+Without the kernels the engine keeps its PyTorch paths; prebuilt kernels load where no compiler is."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -178,3 +179,68 @@ def test_engine_without_kernels_keeps_the_pytorch_paths(tiny_model_dir):
     assert engine.runner.decode_kernel
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     assert str([r.token_ids for r in engine.generate([[5, 6, 7]] * 2, params)]) == done.stdout.strip()
+
+
+def test_prebuilt_kernels_load_where_no_compiler_is(tmp_path, tiny_model_dir):
+    """``--prebuild`` compiles a variant (here the best this CPU runs) into a folder with its manifest; a process
+    given that folder in PDSERVE_CPU_KERNELS_DIR, with no compiler it could use (CXX points nowhere, an empty
+    extension cache), loads it and generates what the kernels built for this CPU generate."""
+    fits = [(name, need) for name, _, need in cpu_kernels.VARIANTS.get(cpu_kernels._machine(), ())
+            if need <= cpu_kernels.cpu_flags()]  # fmt: skip
+    if not fits:
+        pytest.skip("no prebuilt variant for this CPU")
+    name, need = fits[0]
+    folder = tmp_path / "kernels"
+    cmd = [sys.executable, "-m", "common.engine.cpu_kernels", "--prebuild", str(folder), "--variants", name]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["torch"] == torch.__version__
+    assert manifest["variants"] == [{"name": name, "file": f"pdserve_cpu_kernels_{name}.so", "cpu_flags": sorted(need)}]
+    code = (
+        "import torch\n"
+        "from common.engine import cpu_kernels\n"
+        "from common.engine.engine import LLMEngine\n"
+        "from common.engine.config import EngineConfig\n"
+        "from common.engine.loader import load_model\n"
+        "from common.engine.sampling_params import SamplingParams\n"
+        "assert cpu_kernels.load(), cpu_kernels.unavailable_reason()\n"
+        "print(cpu_kernels.source())\n"
+        "print(torch.ops.pdserve.bf16_linear_supported())\n"
+        f"e = LLMEngine(load_model({tiny_model_dir('llama')!r}), EngineConfig())\n"
+        "assert e.runner.decode_kernel\n"
+        "r = e.generate([[5, 6, 7], list(range(4, 60))], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))\n"
+        "print([x.token_ids for x in r])\n"
+    )
+    env = dict(os.environ, PDSERVE_CPU_KERNELS_DIR=str(folder), CXX=str(tmp_path / "no-compiler"),
+               TORCH_EXTENSIONS_DIR=str(tmp_path / "empty-cache"))  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    where, bf16_linear, tokens = done.stdout.strip().splitlines()
+    assert where == f"prebuilt {name} from {folder}"
+    assert bf16_linear == str(name != "x86-64")  # the baseline build has no vector bf16 path
+    assert not (tmp_path / "empty-cache").exists() or not any((tmp_path / "empty-cache").iterdir())
+    from common.engine.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.engine.loader import load_model
+    from common.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(load_model(tiny_model_dir("llama")), EngineConfig())
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    assert str([r.token_ids for r in engine.generate([[5, 6, 7], list(range(4, 60))], params)]) == tokens
+
+
+def test_prebuilt_kernels_that_do_not_fit_are_left_for_a_build(tmp_path, monkeypatch, caplog):
+    """A manifest for another torch, or with no variant this CPU runs, loads nothing and says why: load() then
+    compiles for this CPU as it would without the folder."""
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    monkeypatch.setenv(cpu_kernels.PREBUILT_ENV, str(folder))
+    assert not cpu_kernels._load_prebuilt() and "no readable manifest.json" in caplog.text
+    variant = {"name": "future", "file": "missing.so", "cpu_flags": ["avx2", "no-such-flag"]}
+    for torch_version, expected in (("0.0.1", "for torch 0.0.1"), (torch.__version__, "no prebuilt CPU kernel")):
+        manifest = {"torch": torch_version, "machine": cpu_kernels._machine(), "variants": [variant]}
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        caplog.clear()
+        assert not cpu_kernels._load_prebuilt()
+        assert expected in caplog.text
