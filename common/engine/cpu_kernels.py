@@ -38,8 +38,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / f for f in ("paged_attention.cpp", "rms_norm.cpp", "bf16_linear.cpp")]
-OPS = ("paged_decode_attention", "rms_norm", "bf16_linear")
+SOURCES = [Path(__file__).with_name("csrc") / f
+           for f in ("paged_attention.cpp", "rms_norm.cpp", "bf16_linear.cpp", "fp32_linear.cpp")]  # fmt: skip
+OPS = ("paged_decode_attention", "rms_norm", "bf16_linear", "fp32_linear")
 PREBUILT_ENV = "PDSERVE_CPU_KERNELS_DIR"
 MANIFEST = "manifest.json"
 _lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""Faster linear layers on the CPU: oneDNN matmuls over pre-packed weights.
+"""Faster linear layers on the CPU: pre-packed weights for oneDNN's matmuls or the engine's own kernels.
 
 Stock ``nn.Linear`` on the CPU goes through MKL's sgemm with a transposed weight, which is slow for the
 small batches of decoding: measured here (2 cores, fp32), a 16-row matmul with the 32000x512 LM head took
@@ -40,26 +40,40 @@ _LLAMA_STYLE_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", 
 
 
 class PackedLinear(torch.nn.Module):
-    """A linear layer over a pre-packed weight: oneDNN's packing, or with ``kernel`` for a bf16 weight on an x86 CPU
-    without AMX the engine's own pair layout (``torch.ops.pdserve.bf16_linear``). With AVX512-BF16 it is faster
-    than oneDNN at one row and as fast at 16 to 512 (a Zen 4 VM); with AVX2 alone, where oneDNN packs no bf16
-    and torch's bf16 matmul is a scalar loop, it is the only fast path (see common/engine/csrc/bf16_linear.cpp)."""
+    """A linear layer over a pre-packed weight, in one of three layouts (``layout``), chosen once at packing:
+
+    - ``"bf16_pairs"``: a bf16 weight on an x86 CPU without AMX, with ``kernel``: the engine's pair packing for
+      ``torch.ops.pdserve.bf16_linear``. With AVX512-BF16 faster than oneDNN at one row and as fast at 16 to 512
+      (a Zen 4 VM); with AVX2 alone, where oneDNN packs no bf16 and torch's bf16 matmul is a scalar loop, the
+      only fast path (common/engine/csrc/bf16_linear.cpp).
+    - ``"fp32_blocks"``: an fp32 weight on an AVX2 CPU without AVX-512, with ``kernel``: blocks of 16 features
+      for ``torch.ops.pdserve.fp32_linear``, 1.4-1.65x oneDNN at the 1-16 rows of decoding there
+      (common/engine/csrc/fp32_linear.cpp).
+    - ``"onednn"``: oneDNN's own packing for its matmul (every other case).
+    """
 
     def __init__(self, linear: torch.nn.Linear, kernel: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        self.own = kernel and _own_bf16_packing(weight)
-        if self.own:
+        self.layout = _own_layout(weight) if kernel else "onednn"
+        if self.layout == "bf16_pairs":
             packed = torch.ops.pdserve.pack_bf16_pairs(weight)
+        elif self.layout == "fp32_blocks":
+            packed = torch.ops.pdserve.pack_fp32_blocks(weight)
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.weight = torch.nn.Parameter(packed, requires_grad=False)
         bias = None if linear.bias is None else linear.bias.detach()
-        if bias is not None and self.own:  # the kernel adds the bias in float: convert it once, not per call
+        if bias is not None and self.layout == "bf16_pairs":  # the kernel adds the bias in float: convert it once
             bias = bias.float()
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def own(self) -> bool:
+        """Whether the engine's own kernel runs this layer (not oneDNN)."""
+        return self.layout != "onednn"
 
     @classmethod
     def concatenated(cls, linears: list[torch.nn.Linear], kernel: bool = False) -> PackedLinear:
@@ -72,19 +86,32 @@ class PackedLinear(torch.nn.Module):
         return cls(cat, kernel=kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.own:  # bf16_linear refuses any other input dtype, as F.linear would with a bf16 weight
+        # the kernels refuse any other input dtype, as F.linear would with that weight
+        if self.layout == "bf16_pairs":
             return torch.ops.pdserve.bf16_linear(x, self.weight, self.bias, self.out_features)
+        if self.layout == "fp32_blocks":
+            return torch.ops.pdserve.fp32_linear(x, self.weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"layout={self.layout}")  # fmt: skip
 
 
-def _own_bf16_packing(weight: torch.Tensor) -> bool:
-    """Whether a bf16 weight goes to the engine's pair packing. Not on CPUs with AMX: there oneDNN's AMX tiles
-    run the many-row shapes (prefill) at up to twice what vdpbf16ps can, and one packing serves all shapes."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
-            and "amx_bf16" not in cpu_kernels.cpu_flags() and torch.ops.pdserve.bf16_linear_supported())  # fmt: skip
+def _own_layout(weight: torch.Tensor) -> str:
+    """The layout of a weight when the engine's kernels are loaded. bf16: the pair packing, but not on CPUs with
+    AMX, where oneDNN's AMX tiles run the many-row shapes (prefill) at up to twice what vdpbf16ps can and one
+    packing serves all shapes. fp32: the 16-feature blocks on AVX2 CPUs without AVX-512 (where oneDNN has its
+    own wider kernels; the blocks were measured on an AVX2-only CPU only)."""
+    flags = cpu_kernels.cpu_flags()
+    if weight.device.type != "cpu":
+        return "onednn"
+    if (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and "amx_bf16" not in flags
+            and torch.ops.pdserve.bf16_linear_supported()):  # fmt: skip
+        return "bf16_pairs"
+    if weight.dtype == torch.float32 and "avx512f" not in flags and torch.ops.pdserve.fp32_linear_supported():
+        return "fp32_blocks"
+    return "onednn"
 
 
 class FusedLinear(torch.nn.Module):
@@ -218,7 +245,7 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 def pack_linear_layers(model: torch.nn.Module, kernel: bool = False) -> int:
     """Replace each CPU ``nn.Linear`` of ``model`` (fp32/bf16, plain weight) by a :class:`PackedLinear`, sibling
     projections fused into a :class:`FusedLinear` first; returns how many layers were packed. ``kernel``: the
-    engine's CPU kernels are loaded (bf16 weights then use its own packing where the CPU has no AMX).
+    engine's CPU kernels are loaded (the weights then take the kernels' layouts where :func:`_own_layout` says).
 
     A layer whose packed result differs from ``F.linear`` by more than summation-order noise is left
     alone (the check runs once per layer on a small random input).

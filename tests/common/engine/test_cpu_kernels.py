@@ -153,6 +153,27 @@ def test_bf16_linear_many_rows_over_column_slices():
     torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=5e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 65, 127, 130])
+@pytest.mark.parametrize("out_features,in_features,bias", [(1000, 256, True), (70, 1408, False), (33, 2048, True)])
+def test_fp32_linear_matches_float_matmul(rows, out_features, in_features, bias):
+    """The engine's fp32 linear over its 16-feature blocks: one row, tiles of 6 and 1 to 5 in groups of 64 rows
+    over slices of 256 inputs (1408 and 2048 take several), the widened-slice GEMM from 128 rows (33 features
+    at 2048 inputs: one partial block), output features not a multiple of 16, bias."""
+    if not torch.ops.pdserve.fp32_linear_supported():
+        pytest.skip("this build has no AVX2 with FMA")
+    g = torch.Generator().manual_seed(rows * out_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(2, rows, in_features, generator=g)[1:]  # [1, rows, K]
+    got = torch.ops.pdserve.fp32_linear(x, torch.ops.pdserve.pack_fp32_blocks(w), b, out_features)
+    assert got.dtype == torch.float32 and got.shape == (1, rows, out_features)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="float32 CPU tensor, got BFloat16"):
+        torch.ops.pdserve.pack_fp32_blocks(w.bfloat16())
+    with pytest.raises(RuntimeError, match="input features and n is"):
+        torch.ops.pdserve.fp32_linear(x, torch.ops.pdserve.pack_fp32_blocks(w), b, out_features + 16)
+
+
 def test_engine_without_kernels_keeps_the_pytorch_paths(tiny_model_dir):
     """``PDSERVE_CPU_KERNELS=0``: load() says why, the engine decodes through the gather/in-place paths."""
     code = (
