@@ -5,11 +5,11 @@
 // Decode shapes (a few rows) are where oneDNN's packed fp32 inner product is weakest on AVX2-only CPUs: on a
 // 2-core Zen 3 VM the 60M model's linear layers ran 1.4-1.65x faster here at 1 to 16 rows and even at 64.
 // - One row: eight FMA chains over the block, streaming its weights once.
-// - 2 to 127 rows: per block, rows in groups of 64 and inputs in slices of 256 (weights 16 KiB, x 64 KiB:
-//   both stay in L1/L2 while tiles of 6 rows x 16 features, 12 accumulators, run over them; partial sums
-//   kept in a 4 KiB buffer between slices).
-// - From 128 rows (prefill): a slice of columns is laid out [K, width] and torch's fp32 GEMM runs it (the
-//   copy is 1 / (2 m) of the GEMM's work in bytes).
+// - More rows: in groups of 64 (a group's x stays in L2 while the blocks' weights stream past), each block's
+//   inputs in slices of 256 (16 KiB of weights, in L1) under tiles of 6 rows x 16 features (12 accumulators);
+//   partial sums wait in a 4 KiB buffer between slices. At prefill sizes (128-2048 rows) this ran at
+//   0.8-1.0x oneDNN there: widening slices of columns for torch's GEMM did no better (the copy costs 10-15%
+//   at 256 rows with these models' small K).
 // The engine uses it only on CPUs without AVX-512, where oneDNN has its own wider kernels.
 
 #include <ATen/ATen.h>
@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -51,7 +50,6 @@ at::Tensor pack_fp32_blocks(const at::Tensor& w) {
 
 constexpr int64_t kRowGroup = 64;   // rows whose partial sums one block keeps in its buffer
 constexpr int64_t kDepth = 256;     // inputs per slice: a block's slice of weights is 16 KiB
-constexpr int64_t kWideRows = 128;  // from here torch's GEMM over a widened slice of columns
 
 // R rows x 16 features over inputs [0, depth) of w (the block's slice) and x (rows x_stride apart); sums
 // added to (or, when first, written over) acc, R rows 16 apart.
@@ -117,31 +115,6 @@ inline void store(const float* acc, int64_t rows, const float* bias, float* out,
     for (int64_t j = 0; j < width; ++j) out[r * n + col + j] = acc[16 * r + j] + (bias ? bias[col + j] : 0.f);
 }
 
-// Columns [c0, c1) (c0 a multiple of 16) laid out [K, c1 - c0] for torch's GEMM.
-void widen(const float* w, int64_t k, int64_t c0, int64_t c1, float* dst) {
-  const int64_t width = c1 - c0;
-  at::parallel_for(c0 / 16, (c1 + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t j0 = 16 * b - c0, cols = std::min<int64_t>(16, width - j0);
-      const float* wb = w + b * k * 16;
-      for (int64_t i = 0; i < k; ++i) std::memcpy(dst + i * width + j0, wb + 16 * i, cols * sizeof(float));
-    }
-  });
-}
-
-void linear_wide(const at::Tensor& rows, const float* w, const float* bias, at::Tensor& out) {
-  const int64_t k = rows.size(1), n = out.size(1);
-  const int64_t slice = std::max<int64_t>(16, (4 << 20) / (4 * k) / 16 * 16);  // ~4 MiB of weights
-  for (int64_t c0 = 0; c0 < n; c0 += slice) {
-    const int64_t c1 = std::min(n, c0 + slice);
-    at::Tensor wide = at::empty({k, c1 - c0}, rows.options());
-    widen(w, k, c0, c1, wide.data_ptr<float>());
-    at::Tensor prod = at::mm(rows, wide);
-    if (bias) prod.add_(at::from_blob(const_cast<float*>(bias) + c0, {c1 - c0}, rows.options()));
-    out.narrow(1, c0, c1 - c0).copy_(prod);
-  }
-}
-
 #endif
 
 // x [..., K] float, packed from pack_fp32_blocks, bias [N] float or None -> [..., N] float.
@@ -172,9 +145,7 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t blocks = packed.size(0);
-  if (m >= kWideRows) {
-    linear_wide(rows, w, bp, out);
-  } else if (m == 1) {
+  if (m == 1) {
     at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
       alignas(32) float acc[16];
       for (int64_t b = b0; b < b1; ++b) {
@@ -183,12 +154,13 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const std:
       }
     });
   } else {
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      alignas(32) float acc[kRowGroup * 16];
-      for (int64_t b = b0; b < b1; ++b) {
-        const float* wb = w + b * k * 16;
-        for (int64_t r0 = 0; r0 < m; r0 += kRowGroup) {
-          const int64_t rows_here = std::min(kRowGroup, m - r0);
+    // row groups outer: a group's rows of x (64 x K floats) stay in L2 while the blocks' weights stream past
+    for (int64_t r0 = 0; r0 < m; r0 += kRowGroup) {
+      const int64_t rows_here = std::min(kRowGroup, m - r0);
+      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+        alignas(32) float acc[kRowGroup * 16];
+        for (int64_t b = b0; b < b1; ++b) {
+          const float* wb = w + b * k * 16;
           for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
             const int64_t depth = std::min(kDepth, k - k0);
             const float* xk = xp + r0 * k + k0;
@@ -198,8 +170,8 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const std:
           }
           store(acc, rows_here, bp, op + r0 * n, n, 16 * b);
         }
-      }
-    });
+      });
+    }
   }
   return out.view(shape);
 #else

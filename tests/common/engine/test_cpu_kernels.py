@@ -157,8 +157,8 @@ def test_bf16_linear_many_rows_over_column_slices():
 @pytest.mark.parametrize("out_features,in_features,bias", [(1000, 256, True), (70, 1408, False), (33, 2048, True)])
 def test_fp32_linear_matches_float_matmul(rows, out_features, in_features, bias):
     """The engine's fp32 linear over its 16-feature blocks: one row, tiles of 6 and 1 to 5 in groups of 64 rows
-    over slices of 256 inputs (1408 and 2048 take several), the widened-slice GEMM from 128 rows (33 features
-    at 2048 inputs: one partial block), output features not a multiple of 16, bias."""
+    (65, 127 and 130 take two or three) over slices of 256 inputs (1408 and 2048 take several), output features
+    not a multiple of 16 (33: one partial block), bias."""
     if not torch.ops.pdserve.fp32_linear_supported():
         pytest.skip("this build has no AVX2 with FMA")
     g = torch.Generator().manual_seed(rows * out_features)
