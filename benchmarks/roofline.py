@@ -3,9 +3,10 @@
 1. The machine: matmul FLOP/s in fp32 and bf16 (square matmuls, best of several) and memory bandwidth
    (a large tensor copy; read + write bytes over time).
 2. Prefill: one prompt of --prompt-len tokens through the engine (``max_new_tokens`` 1), as a fraction of
-   the FLOP roofline of the model's dtype (for bf16 on a CPU without bf16 arithmetic: the fp32 rate). FLOPs of a prompt: 2 x (non-embedding parameters) per token, plus
-   the causal attention products (QK^T and AV: 2 x 2 x layers x heads x head_dim x (n^2 + n) / 2), plus the
-   LM head once (``logits_to_keep``: only the last token's logits are computed).
+   the FLOP roofline of the model's dtype (for bf16 on a CPU without bf16 arithmetic: the fp32 rate). FLOPs
+   of a prompt: 2 x (non-embedding parameters) per token, plus the causal attention products (QK^T and AV:
+   2 x 2 x layers x heads x head_dim x (n^2 + n) / 2), plus the LM head once (``logits_to_keep``: only the
+   last token's logits are computed).
 3. Single-stream decode: one request (--decode-prompt-len prompt tokens, --decode-tokens new tokens), its
    decode steps as a fraction of the bandwidth roofline: each step reads every weight the step uses (all
    parameters but the embedding table, of which it reads one row; the LM head counts even when tied to the

@@ -230,7 +230,8 @@ def test_prebuilt_kernels_load_where_no_compiler_is(tmp_path, tiny_model_dir):
         "print(torch.ops.pdserve.bf16_linear_supported())\n"
         f"e = LLMEngine(load_model({tiny_model_dir('llama')!r}), EngineConfig())\n"
         "assert e.runner.decode_kernel\n"
-        "r = e.generate([[5, 6, 7], list(range(4, 60))], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))\n"
+        "p = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)\n"
+        "r = e.generate([[5, 6, 7], list(range(4, 60))], p)\n"
         "print([x.token_ids for x in r])\n"
     )
     env = dict(os.environ, PDSERVE_CPU_KERNELS_DIR=str(folder), CXX=str(tmp_path / "no-compiler"),

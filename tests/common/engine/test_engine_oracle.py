@@ -177,7 +177,8 @@ def next_logits_and_stock(engine: LLMEngine, reference, scheduled) -> list[tuple
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "pytorch"])
 def test_bf16_decode_logits_close_to_stock_bf16(tiny_model_dir, kernels):
     """Decode steps of a bf16 batch (the engine's CPU kernels: bf16 linear layers in its own packing where the CPU
-    has AVX512-BF16 or AVX2, decode attention, RMSNorm; or the PyTorch paths) stay within bf16 rounding of stock bf16."""
+    has AVX512-BF16 or AVX2, decode attention, RMSNorm; or the PyTorch paths) stay within bf16 rounding of stock
+    bf16."""
     from transformers import AutoModelForCausalLM
 
     from common.engine import cpu_kernels
