@@ -48,7 +48,8 @@ bool bf16_linear_supported() {
 // w [N, K] bf16 (K even) -> [N_pad / 16, K / 2, 16, 2], N_pad = N rounded up to 32 (zero rows).
 at::Tensor pack_bf16_pairs(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(),
-              "pack_bf16_pairs takes a [N, K] bf16 CPU tensor");
+              "pack_bf16_pairs takes a [N, K] bf16 CPU tensor, got ", w.scalar_type(), " of shape ", w.sizes(),
+              " on ", w.device());
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(k % 2 == 0, "pack_bf16_pairs needs an even number of input features, got ", k);
   const int64_t n_pad = (n + 31) / 32 * 32;
@@ -325,14 +326,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
               "bf16_linear takes bf16 CPU tensors, got x ", x.scalar_type(), " on ", x.device(), " and packed ",
               packed.scalar_type());
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
-              "packed must come from pack_bf16_pairs");
+              "packed must come from pack_bf16_pairs, got shape ", packed.sizes());
   const int64_t k = x.size(-1), kp_count = packed.size(1), blocks = packed.size(0);
-  TORCH_CHECK(k == 2 * kp_count && n <= blocks * 16 && blocks % 2 == 0, "bf16_linear: shapes do not match");
+  TORCH_CHECK(k == 2 * kp_count && n <= blocks * 16 && blocks % 2 == 0, "bf16_linear: x has ", k,
+              " input features and n is ", n, ", packed is ", packed.sizes());
   const at::Tensor rows = x.reshape({-1, k}).contiguous();
   const int64_t m = rows.size(0);
   at::Tensor fbias;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bias must have ", n, " elements");
+    TORCH_CHECK(bias->numel() == n, "bias must have ", n, " elements, got ", bias->numel());
     fbias = bias->to(at::kFloat).contiguous();
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

@@ -137,6 +137,8 @@ def test_bf16_linear_matches_float_matmul(rows, out_features, bias):
     torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-2)
     with pytest.raises(RuntimeError, match="even number"):
         torch.ops.pdserve.pack_bf16_pairs(torch.zeros(4, 3, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="input features and n is"):
+        torch.ops.pdserve.bf16_linear(x, packed, b, out_features + 64)
 
 
 def test_bf16_linear_many_rows_over_column_slices():
