@@ -21,9 +21,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "bf16.h"
+#include "linear.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -330,25 +330,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   const int64_t k = x.size(-1), kp_count = packed.size(1), blocks = packed.size(0);
   TORCH_CHECK(k == 2 * kp_count && n <= blocks * 16 && blocks % 2 == 0, "bf16_linear: x has ", k,
               " input features and n is ", n, ", packed is ", packed.sizes());
-  const at::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m = rows.size(0);
-  at::Tensor fbias;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bias must have ", n, " elements, got ", bias->numel());
-    fbias = bias->to(at::kFloat).contiguous();
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (m == 0) return out.view(shape);
-  const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  pdserve::LinearCall call = pdserve::linear_call(x, bias, n);
+  if (call.rows.size(0) == 0) return call.out.view(call.shape);
 #ifdef PDSERVE_BF16_AVX512
-  linear_avx512(rows, reinterpret_cast<const __m512i*>(packed.data_ptr()), kp_count, blocks, bp, op, n);
+  linear_avx512(call.rows, reinterpret_cast<const __m512i*>(packed.data_ptr()), kp_count, blocks, call.bias_ptr(),
+                call.out.data_ptr<c10::BFloat16>(), n);
 #else
-  linear_avx2(rows, reinterpret_cast<const __m256i*>(packed.data_ptr()), kp_count, bp, out);
+  linear_avx2(call.rows, reinterpret_cast<const __m256i*>(packed.data_ptr()), kp_count, call.bias_ptr(), call.out);
 #endif
-  return out.view(shape);
+  return call.out.view(call.shape);
 #else
   TORCH_CHECK(false, "bf16_linear needs a build with AVX512-BF16 or AVX2 and FMA (see bf16_linear_supported)");
 #endif

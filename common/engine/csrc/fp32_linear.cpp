@@ -16,9 +16,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "linear.h"
+
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -129,21 +130,13 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   const int64_t k = x.size(-1);
   TORCH_CHECK(packed.size(1) == k && n <= packed.size(0) * 16 && n > packed.size(0) * 16 - 16,
               "fp32_linear: x has ", k, " input features and n is ", n, ", packed is ", packed.sizes());
-  const at::Tensor rows = x.reshape({-1, k}).contiguous();
-  const int64_t m = rows.size(0);
-  at::Tensor fbias;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bias must have ", n, " elements, got ", bias->numel());
-    fbias = bias->to(at::kFloat).contiguous();
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (m == 0) return out.view(shape);
+  pdserve::LinearCall call = pdserve::linear_call(x, bias, n);
+  const int64_t m = call.rows.size(0);
+  if (m == 0) return call.out.view(call.shape);
   const float* w = packed.data_ptr<float>();
-  const float* xp = rows.data_ptr<float>();
-  const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
+  const float* xp = call.rows.data_ptr<float>();
+  const float* bp = call.bias_ptr();
+  float* op = call.out.data_ptr<float>();
   const int64_t blocks = packed.size(0);
   if (m == 1) {
     at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
@@ -173,7 +166,7 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const std:
       });
     }
   }
-  return out.view(shape);
+  return call.out.view(call.shape);
 #else
   TORCH_CHECK(false, "fp32_linear needs a build with AVX2 and FMA (see fp32_linear_supported)");
 #endif
