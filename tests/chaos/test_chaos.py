@@ -43,7 +43,7 @@ def model_dir(tiny_model_dir):
 
 
 class Chaos:
-    """Kills a random worker of a random role every 2-4 s (keeping one of each role alive) and starts a
+    """Kills a random worker of a random role every 1.5-3 s (keeping one of each role alive) and starts a
     replacement; stops when asked. Replacements are this test's own processes (``stop_all`` ends them)."""
 
     def __init__(self, rng: random.Random, redis_url: str, model_dir: str, log_dir: Path) -> None:
@@ -63,7 +63,7 @@ class Chaos:
         self._thread.join(60)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.rng.uniform(2.0, 4.0)):
+        while not self._stop.wait(self.rng.uniform(1.5, 3.0)):
             role = self.rng.choice(["prefill", "decode"])
             live = sorted((w for w in workers(self.redis_url).values()  # its entry outlives a killed one a while
                            if w.role == role and w.state == "ready" and w.pid not in self.killed), key=lambda w: w.id)
