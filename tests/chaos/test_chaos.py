@@ -107,7 +107,7 @@ def processes_with(needle: str) -> list[str]:
     return found
 
 
-def test_chaos(model_dir, hf_reference, tmp_path):
+def test_chaos(model_dir, hf_reference, tmp_path, request):
     seed = int(os.environ.get("PDSERVE_CHAOS_SEED", "20261130"))
     rng = random.Random(seed)
     prompts = [[rng.randrange(20, 3000) for _ in range(rng.randrange(8, 300))] for _ in range(NUM_PROMPTS)]
@@ -118,6 +118,7 @@ def test_chaos(model_dir, hf_reference, tmp_path):
                         "--log-dir", str(tmp_path), *(f"--worker-arg={a}" for a in WORKER_ARGS),
                         "--router-arg=--kv-lease-s=10", f"--router-arg=--record-ttl-s={RECORD_TTL_S:g}") as up:
             chaos = Chaos(rng, redis_server.url, model_dir, tmp_path)
+            request.addfinalizer(chaos.stop_all)  # a failed assertion must not leave the replacements running
 
             def one(k: int):
                 try:
