@@ -1,9 +1,9 @@
 """Chaos: a bounded load (200 requests, more for up to 2 minutes until 5 workers were killed; 8 at a time, mixed
-lengths) while workers are killed (SIGKILL, now and then SIGTERM) and replaced at random. Every request must complete with output equal to stock ``generate`` or
-fail with a clear status; migrations are counted; afterwards no KV block is in use, no request record outlives
-its TTL and no process is left behind. Real processes: ``pdserve up`` (2 prefill, 2 decode) on a Redis of the
-test's own, plus the replacement workers the test starts. Prints the figures; ``PDSERVE_CHAOS_SEED`` replays
-a run."""
+lengths) while workers are killed (SIGKILL, now and then SIGTERM) and replaced at random. Every request must
+complete with output equal to stock ``generate`` or fail with a clear status; migrations are counted;
+afterwards no KV block is in use, no request record outlives its TTL and no process is left behind. Real
+processes: ``pdserve up`` (2 prefill, 2 decode) on a Redis of the test's own, plus the replacement workers the
+test starts. Prints the figures; ``PDSERVE_CHAOS_SEED`` replays a run."""
 
 from __future__ import annotations
 
