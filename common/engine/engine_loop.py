@@ -17,6 +17,7 @@ error and the loop keeps serving (the error is logged); nothing waits forever.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -63,7 +64,10 @@ class EngineStats:
 
 
 class RequestStream:
-    """The outputs of one request, in order; ends after the output with ``finished`` (or ``prefilled``)."""
+    """The outputs of one request, in order; ends after the output with ``finished`` (or ``prefilled``).
+
+    Read it from a thread (:meth:`get`, :meth:`get_pending`, iteration) or from an asyncio event loop
+    (:meth:`get_async`, :meth:`get_pending_async`), one reader at a time."""
 
     _END = object()
 
@@ -71,22 +75,59 @@ class RequestStream:
         self.request_id = request_id
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None  # an async reader waiting
 
     def _put(self, out: RequestOutput) -> None:
         self._queue.put(out)
+        self._wake()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._queue.put(self._END)
+        self._wake()
 
-    def get(self, timeout_s: float | None = None) -> RequestOutput:
-        """The next output; raises ``queue.Empty`` after ``timeout_s``, :class:`StreamClosed` if the loop
-        stopped or a step failed before the request finished."""
-        item = self._queue.get(timeout=timeout_s)
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            loop, future = waiter
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:  # that loop is closed: nobody reads any more
+                pass
+
+    def _item(self, item):
         if item is self._END:
             self._queue.put(self._END)  # every later get() fails the same way
             raise StreamClosed(f"request {self.request_id}: {self._error}") from self._error
         return item
+
+    def get(self, timeout_s: float | None = None) -> RequestOutput:
+        """The next output; raises ``queue.Empty`` after ``timeout_s``, :class:`StreamClosed` if the loop
+        stopped or a step failed before the request finished."""
+        return self._item(self._queue.get(timeout=timeout_s))
+
+    async def get_async(self, timeout_s: float | None = None) -> RequestOutput:
+        """:meth:`get` for a coroutine: waits without holding a thread."""
+        return self._item(await self._next_async(timeout_s))
+
+    async def _next_async(self, timeout_s: float | None):
+        """The next queued item, waiting up to ``timeout_s`` (``queue.Empty`` after it)."""
+        while True:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            self._waiter = (loop, future)
+            if not self._queue.empty():  # it arrived between the two looks: _put may not have seen the waiter
+                self._waiter = None
+                continue
+            try:
+                await asyncio.wait_for(future, timeout_s)
+            except TimeoutError:
+                self._waiter = None
+                raise queue.Empty from None
 
     def get_pending(
         self, timeout_s: float | None = None, *, min_tokens: int = 1, linger_s: float = STREAM_LINGER_S
@@ -100,32 +141,37 @@ class RequestStream:
         held back at most ``linger_s``; and merge no more than that (a reader that fell behind catches up in
         messages of ``min_tokens``, the interval's promise). Callers pass 1 for a request's first token, which
         never waits."""
-        first = self.get(timeout_s)
-        merged = [first]
-        tokens = len(first.new_token_ids)
-        give_up = None
-        while not (merged[-1].finished or merged[-1].prefilled):
-            if min_tokens > 1 and tokens >= min_tokens:
-                break
+        merge = _Merge(self.get(timeout_s), min_tokens, linger_s)
+        while (wait := merge.wait_s()) is not None:
             try:
-                item = self._queue.get_nowait()
+                item = self._queue.get_nowait() if wait == 0 else self._queue.get(timeout=wait)
             except queue.Empty:
-                if tokens >= min_tokens:
-                    break
-                give_up = give_up or time.monotonic() + linger_s
-                wait = give_up - time.monotonic()
-                if wait <= 0:
-                    break
-                try:
-                    item = self._queue.get(timeout=wait)
-                except queue.Empty:
-                    break
-            if item is self._END:
-                self._queue.put(self._END)  # the next get() raises it
+                if wait == 0 and merge.linger():
+                    continue
                 break
-            merged.append(item)
-            tokens += len(item.new_token_ids)
-        return first if len(merged) == 1 else merge_outputs(merged)
+            if item is self._END:
+                self._queue.put(self._END)  # the next get raises it
+                break
+            merge.add(item)
+        return merge.result()
+
+    async def get_pending_async(
+        self, timeout_s: float | None = None, *, min_tokens: int = 1, linger_s: float = STREAM_LINGER_S
+    ) -> RequestOutput:
+        """:meth:`get_pending` for a coroutine."""
+        merge = _Merge(await self.get_async(timeout_s), min_tokens, linger_s)
+        while (wait := merge.wait_s()) is not None:
+            try:
+                item = self._queue.get_nowait() if wait == 0 else await self._next_async(wait)
+            except queue.Empty:
+                if wait == 0 and merge.linger():
+                    continue
+                break
+            if item is self._END:
+                self._queue.put(self._END)  # the next get raises it
+                break
+            merge.add(item)
+        return merge.result()
 
     def __iter__(self):
         while True:
@@ -133,6 +179,46 @@ class RequestStream:
             yield out
             if out.finished or out.prefilled:
                 return
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _Merge:
+    """One :meth:`RequestStream.get_pending`: the outputs taken so far and when to stop taking more."""
+
+    def __init__(self, first: RequestOutput, min_tokens: int, linger_s: float) -> None:
+        self.merged = [first]
+        self.tokens = len(first.new_token_ids)
+        self.min_tokens = min_tokens
+        self.linger_s = linger_s
+        self.give_up: float | None = None
+
+    def wait_s(self) -> float | None:
+        """None: done; 0: take what is queued without waiting; else wait up to that long for the next one."""
+        last = self.merged[-1]
+        if last.finished or last.prefilled or (self.min_tokens > 1 and self.tokens >= self.min_tokens):
+            return None
+        if self.give_up is None:
+            return 0
+        wait = self.give_up - time.monotonic()
+        return wait if wait > 0 else None
+
+    def linger(self) -> bool:
+        """Nothing queued: whether to wait (the interval's tokens are not there yet) rather than stop."""
+        if self.tokens >= self.min_tokens:
+            return False
+        self.give_up = self.give_up or time.monotonic() + self.linger_s
+        return True
+
+    def add(self, item: RequestOutput) -> None:
+        self.merged.append(item)
+        self.tokens += len(item.new_token_ids)
+
+    def result(self) -> RequestOutput:
+        return self.merged[0] if len(self.merged) == 1 else merge_outputs(self.merged)
 
 
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -134,37 +135,71 @@ def _out(tokens, text, *, finished=False, logprobs=None):
     return RequestOutput("r", tokens, text, finished, FinishReason.LENGTH if finished else None, logprobs)
 
 
-def test_get_pending_merges_what_is_queued_and_never_waits_for_more():
+@pytest.fixture(params=["thread", "asyncio"])
+def read(request):
+    """``get_pending`` from a thread, or ``get_pending_async`` on an event loop of its own (the decode worker's
+    gRPC loop) while other threads feed the stream: ``read(stream, **kwargs)``, same results and errors."""
+    if request.param == "thread":
+        yield lambda stream, **kwargs: stream.get_pending(**kwargs)
+        return
+    event_loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=event_loop.run_forever, daemon=True)
+    thread.start()
+    yield lambda stream, **kwargs: asyncio.run_coroutine_threadsafe(stream.get_pending_async(**kwargs),
+                                                                    event_loop).result(10)  # fmt: skip
+    event_loop.call_soon_threadsafe(event_loop.stop)
+    thread.join(5)
+    event_loop.close()
+
+
+def test_get_async_waits_for_a_later_put_and_times_out_instead_of_hanging():
+    from common.engine.engine_loop import RequestStream
+
+    stream = RequestStream("r")
+
+    async def later_put_then_timeout():
+        threading.Timer(0.05, stream._put, args=(_out([7], "x"),)).start()
+        got = await stream.get_async(timeout_s=5)
+        t0 = time.monotonic()
+        with pytest.raises(queue.Empty):
+            await stream.get_async(timeout_s=0.05)
+        return got.new_token_ids, time.monotonic() - t0
+
+    tokens, waited = asyncio.run(later_put_then_timeout())
+    assert tokens == [7] and 0.04 <= waited < 1
+
+
+def test_get_pending_merges_what_is_queued_and_never_waits_for_more(read):
     from common.engine.engine_loop import RequestStream
 
     stream = RequestStream("r")
     stream._put(_out([1], "a"))
-    assert stream.get_pending(timeout_s=1).new_token_ids == [1]  # alone: returned at once, as it is
+    assert read(stream, timeout_s=1).new_token_ids == [1]  # alone: returned at once, as it is
     stream._put(_out([2], "b"))
     stream._put(_out([3], "c", logprobs=["lp3"]))
     stream._put(_out([4, 5], "de", finished=True))
     stream._put(_out([9], "late"))  # never merged past the finished output
-    merged = stream.get_pending(timeout_s=1)
+    merged = read(stream, timeout_s=1)
     assert (merged.new_token_ids, merged.new_text, merged.finished) == ([2, 3, 4, 5], "bcde", True)
     assert merged.new_logprobs == [None, "lp3", None, None]  # aligned with the tokens
-    assert stream.get_pending(timeout_s=1).new_token_ids == [9]
+    assert read(stream, timeout_s=1).new_token_ids == [9]
     with pytest.raises(queue.Empty):
-        stream.get_pending(timeout_s=0.05)
+        read(stream, timeout_s=0.05)
 
 
-def test_get_pending_returns_what_came_before_an_error_then_raises():
+def test_get_pending_returns_what_came_before_an_error_then_raises(read):
     from common.engine.engine_loop import RequestStream
 
     stream = RequestStream("r")
     stream._put(_out([1], "a"))
     stream._put(_out([2], "b"))
     stream._fail(RuntimeError("step failed"))
-    assert stream.get_pending(timeout_s=1).new_token_ids == [1, 2]
+    assert read(stream, timeout_s=1).new_token_ids == [1, 2]
     with pytest.raises(StreamClosed, match="step failed"):
-        stream.get_pending(timeout_s=1)
+        read(stream, timeout_s=1)
 
 
-def test_a_stream_interval_waits_for_that_many_tokens_but_never_past_the_linger_or_the_end():
+def test_a_stream_interval_waits_for_that_many_tokens_but_never_past_the_linger_or_the_end(read):
     from common.engine.engine_loop import RequestStream
 
     stream = RequestStream("r")
@@ -176,29 +211,29 @@ def test_a_stream_interval_waits_for_that_many_tokens_but_never_past_the_linger_
 
     stream._put(_out([1], "a"))
     threading.Thread(target=feed, args=([_out([2], "b"), _out([3], "c"), _out([4], "d")], 0.02)).start()
-    merged = stream.get_pending(timeout_s=1, min_tokens=3, linger_s=5)
+    merged = read(stream, timeout_s=1, min_tokens=3, linger_s=5)
     assert merged.new_token_ids == [1, 2, 3]  # waited for the two later outputs, not for the fourth
-    assert stream.get_pending(timeout_s=1).new_token_ids == [4]
+    assert read(stream, timeout_s=1).new_token_ids == [4]
 
     stream._put(_out([5], "e"))  # nothing follows: given up after the linger, held back no longer
     t0 = time.monotonic()
-    assert stream.get_pending(timeout_s=1, min_tokens=4, linger_s=0.1).new_token_ids == [5]
+    assert read(stream, timeout_s=1, min_tokens=4, linger_s=0.1).new_token_ids == [5]
     assert 0.08 <= time.monotonic() - t0 < 1
 
     stream._put(_out([6], "f"))
     threading.Thread(target=feed, args=([_out([7], "g", finished=True)], 0.02)).start()
     t0 = time.monotonic()
-    merged = stream.get_pending(timeout_s=1, min_tokens=10, linger_s=5)  # the end cuts the wait short
+    merged = read(stream, timeout_s=1, min_tokens=10, linger_s=5)  # the end cuts the wait short
     assert (merged.new_token_ids, merged.finished) == ([6, 7], True)
     assert time.monotonic() - t0 < 1
 
     for i in range(9, 14):  # a reader behind by five outputs: caught up in messages of the interval, not more
         stream._put(_out([i], "x"))
-    assert stream.get_pending(timeout_s=1, min_tokens=4, linger_s=5).new_token_ids == [9, 10, 11, 12]
-    assert stream.get_pending(timeout_s=1, min_tokens=4, linger_s=0.05).new_token_ids == [13]
+    assert read(stream, timeout_s=1, min_tokens=4, linger_s=5).new_token_ids == [9, 10, 11, 12]
+    assert read(stream, timeout_s=1, min_tokens=4, linger_s=0.05).new_token_ids == [13]
 
     stream._put(_out([8], "h"))
     stream._fail(RuntimeError("step failed"))  # an error too: what came before it first, then the error
-    assert stream.get_pending(timeout_s=1, min_tokens=5, linger_s=5).new_token_ids == [8]
+    assert read(stream, timeout_s=1, min_tokens=5, linger_s=5).new_token_ids == [8]
     with pytest.raises(StreamClosed, match="step failed"):
-        stream.get_pending(timeout_s=1, min_tokens=5)
+        read(stream, timeout_s=1, min_tokens=5)
