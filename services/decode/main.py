@@ -55,6 +55,7 @@ def make_parts(config: WorkerConfig):
             num_inflight=lambda: servicer.num_reservations,
             on_stop=stop,
             details=details,
+            use_asyncio=True,  # Decode streams are async generators (see DecodeServicer.Decode)
         )
 
     return make

@@ -18,19 +18,21 @@ Life cycle of a request on a decode worker:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from common.engine.block_pool import NoFreeBlocksError
-from common.engine.engine_loop import EngineLoop, StreamClosed
+from common.engine.engine_loop import EngineLoop, RequestStream, StreamClosed
 from common.engine.identity import ModelIdentity
 from common.kv_transfer.connector import KVReceiver, TransferState
 from common.kv_transfer.grpc_transport import chunk_of_push_kv_request, size_of_probe_link_request
@@ -46,6 +48,18 @@ SERVICE_NAME = "pdserve.v1.DecodeService"
 
 PUSH_QUEUE_CHUNKS = 8  # chunks received ahead of the writer (8 x 4 MiB)
 ADMIT_WINDOW_S = 10.0  # how long a reservation whose KV is complete waits for its Decode call
+
+
+class _Refused(Exception):
+    """A Decode call refused before its stream opened (raised off the event loop, aborted on it)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+    @classmethod
+    def abort(cls, code: grpc.StatusCode, message: str) -> None:
+        raise cls(code, message)
 
 
 @dataclass
@@ -100,6 +114,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.max_pending_requests = max_pending_requests
         self.draining = draining
         self.host = socket.gethostname()
+        # Decode calls open their streams here: admission waits for the engine thread, which must not hold up
+        # the event loop that serves every stream's tokens
+        self._opener_pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="decode-open")
 
     # -- ReserveKv ----------------------------------------------------------------------------------------
 
@@ -115,7 +132,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"model mismatch: {'; '.join(problems)}")
         if not rid or request.num_tokens < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ReserveKv needs a request_id and num_tokens >= 1")
-        self._check_room(context)
+        self._check_room(context.abort)
         lease_s = min(request.lease_seconds or self.max_lease_s, self.max_lease_s)
         try:
             # The engine's own lease is a backstop only: this servicer releases first (under the lock), so
@@ -139,16 +156,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             response.kv_shm_address = self.shm_receiver.address
         return response
 
-    def _check_room(self, context) -> None:
+    def _check_room(self, abort: Callable[[grpc.StatusCode, str], None]) -> None:
         """A bounded queue: RESOURCE_EXHAUSTED (the router tries another worker) past --max-pending-requests,
-        or at once when the worker is draining."""
+        or at once when the worker is draining. ``abort(code, message)`` raises (a context's, or _Refused's)."""
         if self.draining():
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker draining: takes no new requests")
+            abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker draining: takes no new requests")
         stats = self.loop.stats
         pending = len(self._reservations) + stats.num_requests_running + stats.num_requests_waiting
         if pending >= self.max_pending_requests:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"decode worker full: {pending} requests pending (--max-pending-requests)")
+            abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  f"decode worker full: {pending} requests pending (--max-pending-requests)")
 
     def _kv_complete(self, reservation: _Reservation) -> bool:
         if reservation.assembler.complete:
@@ -257,23 +274,31 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     # -- Decode -------------------------------------------------------------------------------------------
 
-    def Decode(self, request, context):
+    async def Decode(self, request, context):
+        """Served from the worker's asyncio server (``build_server(use_asyncio=True)``): all streams share one
+        event loop thread, so a step's tokens reach gRPC without a thread hand-off per token."""
         with call_scope(self.tracing, "decode.Decode", request.request_id, context):
-            yield from self._decode(request, context)
+            async for message in self._decode(request, context):
+                yield message
 
-    def _decode(self, request, context):
+    async def _decode(self, request, context):
         rid = request.request_id
-        if request.prefill_here:
-            stream = self._prefill_here(request, context)
-        else:
-            stream = self._admit_reserved(request, context)
-        context.add_callback(lambda: self.loop.submit(lambda e: e.abort(rid)))  # no-op once finished
+        opener = self._prefill_here if request.prefill_here else self._admit_reserved
+        opening = self._opener_pool.submit(opener, request)  # it waits for the engine thread: off the event loop
+        try:
+            stream = await asyncio.wrap_future(opening)
+        except _Refused as refused:
+            await context.abort(refused.code, refused.message)
+        except asyncio.CancelledError:  # the client left while the request was being admitted: undo the admission
+            opening.add_done_callback(lambda f: f.cancelled() or f.exception() or self._abort_soon(rid))
+            raise
         sent = not request.prefill_here  # an imported request's first token reached the client from prefill
+        finished = False
         try:
             while True:
                 # several tokens if the client lags; with a stream interval, up to that many after the first
-                out = stream.get_pending(timeout_s=self.stream_timeout_s,
-                                         min_tokens=self.stream_interval if sent else 1)  # fmt: skip
+                out = await stream.get_pending_async(timeout_s=self.stream_timeout_s,
+                                                     min_tokens=self.stream_interval if sent else 1)  # fmt: skip
                 sent = sent or bool(out.new_token_ids)
                 yield worker_pb2.DecodeResponse(
                     token_ids=out.new_token_ids,
@@ -282,37 +307,44 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                     finish_reason=convert.finish_reason_to_proto(out.finish_reason if out.finished else None),
                 )
                 if out.finished:
+                    finished = True
                     return
         except StreamClosed as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except Exception:  # queue.Empty: the engine produced nothing for stream_timeout_s
-            self.loop.submit(lambda e: e.abort(rid))
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} produced no token in time")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except queue.Empty:  # the engine produced nothing for stream_timeout_s
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} produced no token in time")
+        finally:  # cancelled (the client left), failed or timed out: the engine stops generating for nobody
+            if not finished:
+                self._abort_soon(rid)
 
-    def _prefill_here(self, request, context):
+    def _abort_soon(self, rid: str) -> None:
+        """Abort a request on the engine thread without waiting (a no-op once it finished)."""
+        self.loop.submit(lambda e: e.abort(rid))
+
+    def _prefill_here(self, request) -> RequestStream:
         """Conditional disaggregation: the whole request runs here (the prefix cache may hold part of it)."""
-        self._check_room(context)
+        self._check_room(_Refused.abort)
         try:
             sampling = convert.sampling_from_proto(request.sampling, self.generation_config, self.default_max_tokens)
             return self.loop.add_request(list(request.prompt_token_ids), sampling, request_id=request.request_id)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
 
-    def _admit_reserved(self, request, context):
+    def _admit_reserved(self, request) -> RequestStream:
         rid = request.request_id
         with self._lock:
             reservation = self._reservations.get(rid)
         if reservation is None or reservation.released:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no KV reservation for request {rid}")
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"no KV reservation for request {rid}")
         if not self._kv_complete(reservation):
             missing = reservation.assembler.describe_progress()
             self.release(rid)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV of request {rid} is incomplete: {missing}")
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"KV of request {rid} is incomplete: {missing}")
         try:
             sampling = convert.sampling_from_proto(request.sampling, self.generation_config, self.default_max_tokens)
         except ValueError as exc:
             self.release(rid)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         generator_state = None
         if request.generator_state:
             generator_state = torch.frombuffer(bytearray(request.generator_state), dtype=torch.uint8)
@@ -333,7 +365,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             return self.loop.open_stream(admit)
         except ValueError as exc:
             self.release(rid)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        except StreamClosed as exc:
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
 
     # -- ProbeLink ------------------------------------------------------------------------------------------
 

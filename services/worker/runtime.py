@@ -38,7 +38,7 @@ from common.http.server import HttpFront
 from common.metrics.gpu import GpuMonitor
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing
-from common.rpc.server import build_server
+from common.rpc.server import AsyncioServer, build_server
 from common.rpc.tls import TlsFiles
 from common.security.auth import Authenticator
 from common.security.kv_crypto import KVCipher
@@ -65,12 +65,13 @@ class WorkerObs:
 class WorkerParts:
     """What a role contributes: its servicer registration, service names and a periodic tick."""
 
-    add_to_server: Callable[[grpc.Server], None]
+    add_to_server: Callable[[grpc.Server | AsyncioServer], None]
     service_names: list[str]
     tick: Callable[[], None] | None = None  # called about every 0.2 s (e.g. lease expiry)
     num_inflight: Callable[[], int] | None = None  # requests still being served (for the drain)
     on_stop: Callable[[], None] | None = None  # release the role's resources (after the server stopped)
     details: Callable[[], dict] | None = None  # the role's own figures for /healthz and /readyz
+    use_asyncio: bool = False  # serve from build_server's asyncio server (the role has async handlers)
 
 
 def build_engine(config: WorkerConfig) -> LLMEngine:
@@ -165,7 +166,7 @@ def serve_worker(
         tracing = Tracing(f"pdserve-{role}", config.otlp_endpoint)
         parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
         server, port, health = build_server(parts.add_to_server, parts.service_names, host=config.host,
-                                            port=config.port, tls=tls)
+                                            port=config.port, tls=tls, use_asyncio=parts.use_asyncio)
         address = f"{config.advertise_host or config.host}:{port}"
         worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         started_at = time.time()
