@@ -104,7 +104,7 @@ def run(
                               rate_limits=rate_limits)
     server, port, health = build_server(
         lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s),
-        [SERVICE_NAME], host=config.host, port=config.port, max_workers=64,
+        [SERVICE_NAME], host=config.host, port=config.port, max_workers=config.max_streams,
         interceptors=[*([AuthInterceptor(authenticator)] if authenticator else []), RejectUnparsable()], tls=public_tls,
     )  # fmt: skip
 

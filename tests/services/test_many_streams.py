@@ -1,6 +1,7 @@
-"""A decode worker streams as many requests at once as its engine runs, not as many as it has gRPC threads: its
-Decode streams are served from one asyncio event loop (``build_server(use_asyncio=True)``), so a worker with a
-32-thread pool decodes 44 requests in one batch, and each gets the tokens stock ``generate`` gives."""
+"""Many streams at once: a decode worker streams as many requests as its batch holds, not as many as it has gRPC
+threads (its Decode streams share one asyncio event loop: ``build_server(use_asyncio=True)``; it stopped at its
+32 threads before), and the router serves more than its former 64 streams at once (``--max-streams``, 1024).
+72 streams through one router to one decode worker, each the tokens stock ``generate`` gives."""
 
 from __future__ import annotations
 
@@ -8,13 +9,26 @@ import json
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass, field
+
+import pytest
 
 from pdserve.client import Client
 from tests.conftest import hf_greedy
 from tests.services.inprocess import inprocess_cluster
 
-STREAMS = 44  # more than the worker's 32 gRPC threads (common.rpc.server.build_server's max_workers)
+STREAMS = 72  # more than the decode worker's 32 gRPC threads and the router's former 64
 NEW_TOKENS = 160
+
+
+@dataclass
+class Load:
+    prompts: list[list[int]]
+    outputs: list[list[int]] = field(default_factory=list)
+    first_token_s: list[float] = field(default_factory=list)  # since the start, per stream
+    end_s: list[float] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+    peak_running: int = 0  # most requests the decode worker reported running at once
 
 
 def running(metrics_address: str) -> int:
@@ -22,28 +36,31 @@ def running(metrics_address: str) -> int:
         return json.loads(reply.read())["num_requests_running"]
 
 
-def test_a_decode_worker_streams_more_requests_at_once_than_it_has_threads(tiny_model_dir, hf_reference):
-    model = tiny_model_dir("llama")
+@pytest.fixture(scope="module")
+def load(tiny_model_dir) -> Load:
     prompts = [[(7 * i + 11 * j) % 3000 + 4 for j in range(12)] for i in range(STREAMS)]
-    with inprocess_cluster(model, prefill=[{"worker_id": "prefill-0"}],
-                           decode=[{"worker_id": "decode-0", "max_num_seqs": 64, "prefix_caching": False}]) as c:
-        outputs: list[list[int]] = [[] for _ in prompts]
-        errors: list[BaseException] = []
+    result = Load(prompts, [[] for _ in prompts], [0.0] * STREAMS, [0.0] * STREAMS)
+    with inprocess_cluster(tiny_model_dir("llama"), prefill=[{"worker_id": "prefill-0"}],
+                           decode=[{"worker_id": "decode-0", "max_num_seqs": 96, "prefix_caching": False}]) as c:
         start = threading.Barrier(STREAMS + 1)
-        peak, done = [0], threading.Event()
+        done = threading.Event()
+        t0 = [0.0]
 
         def one(i: int) -> None:
             try:
                 with Client(c.router, timeout_s=120) as client:
                     start.wait()
                     for piece in client.stream(prompts[i], max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True):
-                        outputs[i] += piece.token_ids
-            except BaseException as exc:  # noqa: BLE001 - asserted below
-                errors.append(exc)
+                        if piece.token_ids and not result.outputs[i]:
+                            result.first_token_s[i] = time.monotonic() - t0[0]
+                        result.outputs[i] += piece.token_ids
+                result.end_s[i] = time.monotonic() - t0[0]
+            except BaseException as exc:  # noqa: BLE001 - asserted by the tests
+                result.errors.append(exc)
 
         def watch() -> None:
             while not done.is_set():
-                peak[0] = max(peak[0], running(c.metrics["decode-0"]))
+                result.peak_running = max(result.peak_running, running(c.metrics["decode-0"]))
                 time.sleep(0.01)
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(STREAMS)]
@@ -52,13 +69,28 @@ def test_a_decode_worker_streams_more_requests_at_once_than_it_has_threads(tiny_
             t.start()
         watcher.start()
         start.wait()
+        t0[0] = time.monotonic()
         for t in threads:
             t.join(180)
         done.set()
         watcher.join()
-    assert not errors, errors[:3]
-    assert peak[0] > 32, f"at most {peak[0]} requests decoded at once"  # the thread-bound worker stopped at 32
-    reference = hf_reference(model)
+    return result
+
+
+def test_every_stream_gets_the_tokens_of_stock_generate(load, tiny_model_dir, hf_reference):
+    assert not load.errors, load.errors[:3]
+    assert all(len(o) == NEW_TOKENS for o in load.outputs)
+    reference = hf_reference(tiny_model_dir("llama"))
     for i in (0, STREAMS // 2, STREAMS - 1):
-        assert outputs[i] == hf_greedy(reference, prompts[i], NEW_TOKENS)
-    assert all(len(o) == NEW_TOKENS for o in outputs)
+        assert load.outputs[i] == hf_greedy(reference, load.prompts[i], NEW_TOKENS)
+
+
+def test_a_decode_worker_decodes_more_requests_at_once_than_it_has_threads(load):
+    assert load.peak_running > 32, f"at most {load.peak_running} requests decoded at once"
+
+
+def test_the_router_serves_more_streams_at_once_than_64(load):
+    # with 64 router threads the last streams got no thread, so no first token, until a stream had ended
+    first_end = min(load.end_s)
+    late = [i for i, t in enumerate(load.first_token_s) if t >= first_end]
+    assert not late, f"{len(late)} streams started only after the first had ended (at {first_end:.2f} s)"
