@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -69,7 +70,7 @@ def process_tree(root: int) -> list[int]:
 
 def cpu_by_role(root: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of each process under ``root``, summed by role: router, prefill,
-    decode, redis, other (the role is read from the command line)."""
+    decode, redis, other (``pdserve up`` itself; the role is read from the command line)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for pid in process_tree(root):
@@ -78,7 +79,8 @@ def cpu_by_role(root: int) -> dict[str, float]:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        role = next((r for r in ("router", "prefill", "decode", "redis") if r in cmd), "other")
+        service = re.search(r"-m pdserve (?:--log-level \S+ )?(router|prefill|decode) ", cmd)
+        role = service.group(1) if service else "redis" if "redis-server" in cmd else "other"
         out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
