@@ -23,6 +23,7 @@ def make_parts(config: WorkerConfig):
         shm = ShmKVReceiver(os.path.join(shm_dir, f"kv-{os.getpid()}.sock")) if config.kv_shm else None
 
         def stop() -> None:
+            servicer.close()
             if shm is not None:
                 shm.close()  # removes the socket
             if own_dir:

@@ -412,6 +412,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     def num_reservations(self) -> int:
         return len(self._reservations)
 
+    def close(self) -> None:
+        """After the server stopped: let the admission threads go (idempotent)."""
+        self._opener_pool.shutdown(wait=False, cancel_futures=True)
+
 
 def add_to_server(servicer: DecodeServicer, server: grpc.Server) -> None:
     """Register the DecodeService like the generated ``add_DecodeServiceServicer_to_server``, except that
