@@ -61,6 +61,9 @@ class WorkerObs:
     draining: Callable[[], bool] = lambda: False  # True once SIGTERM came: take no new requests
 
 
+WORKER_SPARE_THREADS = 16  # gRPC threads beyond --max-pending-requests: health checks, releases, cancels
+
+
 @dataclass
 class WorkerParts:
     """What a role contributes: its servicer registration, service names and a periodic tick."""
@@ -165,8 +168,11 @@ def serve_worker(
         loop = EngineLoop(engine, name=f"{role}-engine", on_request_finished=metrics.observe_request).start()
         tracing = Tracing(f"pdserve-{role}", config.otlp_endpoint)
         parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
+        # a thread for every request the worker may hold (a Prefill call or a PushKv stream holds one until its
+        # KV is sent): with fewer, calls past the pool waited unseen and the batch could not fill
         server, port, health = build_server(parts.add_to_server, parts.service_names, host=config.host,
-                                            port=config.port, tls=tls, use_asyncio=parts.use_asyncio)
+                                            port=config.port, tls=tls, use_asyncio=parts.use_asyncio,
+                                            max_workers=config.max_pending_requests + WORKER_SPARE_THREADS)
         address = f"{config.advertise_host or config.host}:{port}"
         worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         started_at = time.time()

@@ -1,7 +1,8 @@
 """Many streams at once: a decode worker streams as many requests as its batch holds, not as many as it has gRPC
 threads (its Decode streams share one asyncio event loop: ``build_server(use_asyncio=True)``; it stopped at its
-32 threads before), and the router serves more than its former 64 streams at once (``--max-streams``, 1024).
-72 streams through one router to one decode worker, each the tokens stock ``generate`` gives."""
+32 threads before), a prefill worker takes as many as ``--max-pending-requests`` (its pool stopped it at 32),
+and the router serves more than its former 64 streams at once (``--max-streams``, 1024). 72 streams through one
+router to one prefill and one decode worker, each the tokens stock ``generate`` gives."""
 
 from __future__ import annotations
 
@@ -29,18 +30,19 @@ class Load:
     end_s: list[float] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
     peak_running: int = 0  # most requests the decode worker reported running at once
+    peak_prefilling: int = 0  # most requests the prefill worker held at once (its KV transfers in flight)
 
 
-def running(metrics_address: str) -> int:
+def health(metrics_address: str) -> dict:
     with urllib.request.urlopen(f"http://{metrics_address}/healthz", timeout=10) as reply:
-        return json.loads(reply.read())["num_requests_running"]
+        return json.loads(reply.read())
 
 
 @pytest.fixture(scope="module")
 def load(tiny_model_dir) -> Load:
     prompts = [[(7 * i + 11 * j) % 3000 + 4 for j in range(12)] for i in range(STREAMS)]
     result = Load(prompts, [[] for _ in prompts], [0.0] * STREAMS, [0.0] * STREAMS)
-    with inprocess_cluster(tiny_model_dir("llama"), prefill=[{"worker_id": "prefill-0"}],
+    with inprocess_cluster(tiny_model_dir("llama"), prefill=[{"worker_id": "prefill-0", "max_num_seqs": 96}],
                            decode=[{"worker_id": "decode-0", "max_num_seqs": 96, "prefix_caching": False}]) as c:
         start = threading.Barrier(STREAMS + 1)
         done = threading.Event()
@@ -58,22 +60,23 @@ def load(tiny_model_dir) -> Load:
             except BaseException as exc:  # noqa: BLE001 - asserted by the tests
                 result.errors.append(exc)
 
-        def watch() -> None:
+        def watch(worker: str, key: str, peak: str) -> None:
             while not done.is_set():
-                result.peak_running = max(result.peak_running, running(c.metrics["decode-0"]))
-                time.sleep(0.01)
+                setattr(result, peak, max(getattr(result, peak), health(c.metrics[worker])[key]))
+                time.sleep(0.002)
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(STREAMS)]
-        watcher = threading.Thread(target=watch)
-        for t in threads:
+        watchers = [threading.Thread(target=watch, args=("decode-0", "num_requests_running", "peak_running")),
+                    threading.Thread(target=watch, args=("prefill-0", "kv_transfers_in_flight", "peak_prefilling"))]
+        for t in threads + watchers:
             t.start()
-        watcher.start()
         start.wait()
         t0[0] = time.monotonic()
         for t in threads:
             t.join(180)
         done.set()
-        watcher.join()
+        for t in watchers:
+            t.join()
     return result
 
 
@@ -87,6 +90,11 @@ def test_every_stream_gets_the_tokens_of_stock_generate(load, tiny_model_dir, hf
 
 def test_a_decode_worker_decodes_more_requests_at_once_than_it_has_threads(load):
     assert load.peak_running > 32, f"at most {load.peak_running} requests decoded at once"
+
+
+def test_a_prefill_worker_takes_more_requests_at_once_than_32(load):
+    # its gRPC pool had 32 threads, each Prefill call holding one until its KV was sent: the batch stopped at 32
+    assert load.peak_prefilling > 32, f"at most {load.peak_prefilling} requests held by the prefill worker"
 
 
 def test_the_router_serves_more_streams_at_once_than_64(load):
