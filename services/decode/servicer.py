@@ -115,8 +115,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.draining = draining
         self.host = socket.gethostname()
         # Decode calls open their streams here: admission waits for the engine thread, which must not hold up
-        # the event loop that serves every stream's tokens
-        self._opener_pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="decode-open")
+        # the event loop that serves every stream's tokens. As many threads as requests the worker may hold, so
+        # a burst of Decode calls is admitted together between two steps, not a few per step.
+        self._opener_pool = futures.ThreadPoolExecutor(max_workers=max(8, max_pending_requests),
+                                                       thread_name_prefix="decode-open")
 
     # -- ReserveKv ----------------------------------------------------------------------------------------
 
