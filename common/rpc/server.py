@@ -157,10 +157,6 @@ class AsyncioServer:
 
         return self._call(run())
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
     def add_generic_rpc_handlers(self, handlers) -> None:
         self._on_loop(self._server.add_generic_rpc_handlers, handlers)
 
