@@ -73,6 +73,8 @@ def run(
     with ``--public-tls-*`` the public gRPC API speaks only TLS (:mod:`common.rpc.tls`). With
     ``--k8s-prefill-service`` / ``--k8s-decode-service`` the EndpointSlices of those Services keep workers whose
     pod is not ready or terminating from new requests (:mod:`services.router.k8s_discovery`)."""
+    if config.max_streams < 1:
+        raise ValueError(f"--max-streams must be at least 1, got {config.max_streams}")
     stop_event = stop_event or threading.Event()
     authenticator = Authenticator.from_config(config)  # None: auth off, every front open
     if authenticator is not None:

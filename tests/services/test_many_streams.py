@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from pdserve.client import Client
+from services.router import main as router_main
+from services.router.config import RouterConfig
 from tests.conftest import hf_greedy
 from tests.services.inprocess import inprocess_cluster
 
@@ -102,3 +104,8 @@ def test_the_router_serves_more_streams_at_once_than_64(load):
     first_end = min(load.end_s)
     late = [i for i, t in enumerate(load.first_token_s) if t >= first_end]
     assert not late, f"{len(late)} streams started only after the first had ended (at {first_end:.2f} s)"
+
+
+def test_a_router_refuses_max_streams_below_one(tiny_model_dir):
+    with pytest.raises(ValueError, match="--max-streams must be at least 1, got 0"):
+        router_main.run(RouterConfig(model=tiny_model_dir("llama"), max_streams=0))
