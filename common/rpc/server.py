@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.rpc.guard import AsyncInterceptor
 from common.rpc.tls import TlsFiles, open_channel, server_credentials
 
 MAX_MESSAGE_BYTES = 64 << 20  # KV chunks are far smaller; prompts of a million tokens fit
@@ -80,7 +81,9 @@ def build_server(
 
     ``use_asyncio``: an :class:`AsyncioServer` (grpc.aio on an event loop thread of its own) instead: ``async``
     handlers run on that loop, plain ones on the same thread pool as before. Streams of many small messages cost
-    about half the CPU there (no thread hand-off per message); no interceptors.
+    about half the CPU there (no thread hand-off per message). ``interceptors`` are the threaded server's kind,
+    driven through :class:`common.rpc.guard.AsyncInterceptor` (they must decide without blocking and guard
+    handlers with :func:`common.rpc.guard.guard_handler`, as pdserve's own do).
     """
     credentials = server_credentials(tls) if tls is not None else None  # before anything binds: fail fast
     pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
@@ -91,9 +94,7 @@ def build_server(
         *_SERVER_KEEPALIVE,
     ]
     if use_asyncio:
-        if interceptors:
-            raise ValueError("an asyncio server takes no (synchronous) interceptors")
-        server = AsyncioServer(pool, options)
+        server = AsyncioServer(pool, options, [AsyncInterceptor(i) for i in interceptors])
     else:
         server = grpc.server(pool, interceptors=list(interceptors), options=options)
     add_servicers(server)
@@ -121,7 +122,8 @@ class AsyncioServer:
     or async generators run on ``pool`` (also the loop's default executor, for ``run_in_executor(None, ...)``).
     """
 
-    def __init__(self, pool: futures.ThreadPoolExecutor, options: Sequence[tuple[str, object]]) -> None:
+    def __init__(self, pool: futures.ThreadPoolExecutor, options: Sequence[tuple[str, object]],
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(pool)
         self._stopped = threading.Event()  # set once the loop has ended
@@ -131,9 +133,15 @@ class AsyncioServer:
         ready.wait()
 
         async def make() -> grpc.aio.Server:
-            return grpc.aio.server(migration_thread_pool=pool, options=list(options))
+            return grpc.aio.server(migration_thread_pool=pool, options=list(options),
+                                   interceptors=list(interceptors) or None)
 
         self._server = self._call(make())
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the server and its async handlers run on (for code that drives them from other threads)."""
+        return self._loop
 
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
@@ -193,12 +201,12 @@ class AsyncioServer:
         return self._stopped.wait(timeout)
 
 
-def channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+def channel(address: str, tls: TlsFiles | None = None, *, use_asyncio: bool = False) -> grpc.Channel:
     """A client channel to another pdserve service, with the same message size limits and keepalive pings (a
     peer that stops answering fails the channel's calls with UNAVAILABLE within about 2 × KEEPALIVE_S).
 
     ``tls``: mutual TLS with these files (:func:`common.rpc.tls.open_channel`); None: plaintext. Raises
-    ValueError naming a bad TLS file."""
+    ValueError naming a bad TLS file. ``use_asyncio``: a ``grpc.aio`` channel (open it on the loop that uses it)."""
     return open_channel(
         address,
         tls,
@@ -207,4 +215,5 @@ def channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             *_CLIENT_KEEPALIVE,
         ],
+        use_asyncio=use_asyncio,
     )

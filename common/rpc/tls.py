@@ -125,13 +125,16 @@ def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
     )
 
 
-def open_channel(address: str, tls: TlsFiles | None, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+def open_channel(address: str, tls: TlsFiles | None, options: Sequence[tuple[str, object]] = (), *,
+                 use_asyncio: bool = False) -> grpc.Channel:
     """A channel to ``address`` (``host:port``) with ``options``: plaintext when ``tls`` is None, else mutual
-    TLS (with ``tls.server_name`` as the name checked in the server's certificate, when set)."""
+    TLS (with ``tls.server_name`` as the name checked in the server's certificate, when set). ``use_asyncio``:
+    a ``grpc.aio`` channel."""
+    api = grpc.aio if use_asyncio else grpc
     if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
+        return api.insecure_channel(address, options=list(options))
     extra = [(TARGET_NAME_OVERRIDE, tls.server_name)] if tls.server_name else []
-    return grpc.secure_channel(address, channel_credentials(tls), options=[*options, *extra])
+    return api.secure_channel(address, channel_credentials(tls), options=[*options, *extra])
 
 
 def _read(path: str, what: str) -> bytes:

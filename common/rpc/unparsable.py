@@ -14,6 +14,8 @@ from __future__ import annotations
 import grpc
 from google.protobuf.message import DecodeError
 
+from common.rpc.guard import Refusal, guard_handler
+
 
 class _Unparsable:
     """What the lenient deserializer returns in place of a message that does not parse."""
@@ -23,15 +25,13 @@ class _Unparsable:
 
 
 class RejectUnparsable(grpc.ServerInterceptor):
+    """Serves the threaded server as it is, and the asyncio one through :class:`common.rpc.guard.AsyncInterceptor`."""
+
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
         deserialize = handler.request_deserializer
-        if handler.response_streaming:
-            behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-        else:
-            behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
 
         def lenient(data: bytes):
             try:
@@ -39,9 +39,10 @@ class RejectUnparsable(grpc.ServerInterceptor):
             except DecodeError as exc:
                 return _Unparsable(str(exc))
 
-        def checked(request, context):
-            if isinstance(request, _Unparsable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {request.reason}")
-            return behavior(request, context)
+        return guard_handler(handler, _parsed, request_deserializer=lenient)
 
-        return make(checked, request_deserializer=lenient, response_serializer=handler.response_serializer)
+
+def _parsed(request, context):
+    if isinstance(request, _Unparsable):
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {request.reason}")
+    return context

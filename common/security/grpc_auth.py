@@ -12,25 +12,22 @@ names the caller (:func:`~common.security.auth.principal_of`); the context is ot
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import grpc
 
+from common.rpc.guard import Refusal, guard_handler
 from common.security.auth import PRINCIPAL_ATTR, Authenticator, credential_of
 from common.security.errors import AuthError
 
 log = logging.getLogger(__name__)
 
 OPEN_SERVICE_PREFIXES = ("/grpc.health.v1.Health/",)  # method paths that need no credential
-_KINDS = {  # the handler attribute holding the behavior -> the handler constructor of that kind
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
+    """Serves the threaded server as it is, and the asyncio one through
+    :class:`common.rpc.guard.AsyncInterceptor` (behaviors keep their kind: :func:`common.rpc.guard.guard_handler`)."""
+
     def __init__(self, authenticator: Authenticator) -> None:
         self.authenticator = authenticator
 
@@ -44,8 +41,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         except AuthError as exc:
             reason = exc.reason
             log.info("refused %s: %s", method, reason)
-            return _replace_behavior(handler, lambda _behavior: _refuse(reason))
-        return _replace_behavior(handler, lambda behavior: _with_principal(behavior, principal))
+            return guard_handler(handler, _refuse(reason))
+        return guard_handler(handler, lambda _request, context: AuthenticatedContext(context, principal))
 
 
 class AuthenticatedContext:
@@ -59,25 +56,8 @@ class AuthenticatedContext:
         return getattr(self._context, name)
 
 
-def _with_principal(behavior: Callable, principal: str) -> Callable:
-    def call(request_or_iterator, context):
-        return behavior(request_or_iterator, AuthenticatedContext(context, principal))
+def _refuse(reason: str):
+    def check(_request, _context):
+        raise Refusal(grpc.StatusCode.UNAUTHENTICATED, reason)
 
-    return call
-
-
-def _refuse(reason: str) -> Callable:
-    def call(request_or_iterator, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-
-    return call
-
-
-def _replace_behavior(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable], Callable]) -> grpc.RpcMethodHandler:
-    """``handler`` with its one behavior (whichever of the four kinds it is) replaced by ``wrap(behavior)``."""
-    for kind, make in _KINDS.items():
-        behavior = getattr(handler, kind)
-        if behavior is not None:
-            return make(wrap(behavior), request_deserializer=handler.request_deserializer,
-                        response_serializer=handler.response_serializer)  # fmt: skip
-    raise ValueError(f"gRPC method handler without a behavior: {handler!r}")
+    return check

@@ -27,16 +27,24 @@ class Echo(generate_pb2_grpc.GenerateServiceServicer):
         yield generate_pb2.GenerateResponse(text=request.text.upper())
 
 
-@pytest.fixture(scope="module", params=["open", "with auth"])
+class AsyncEcho(Echo):
+    async def Generate(self, request, context):
+        self.seen.append(request.text)
+        yield generate_pb2.GenerateResponse(text=request.text.upper())
+
+
+@pytest.fixture(scope="module", params=["open", "with auth", "open, asyncio", "with auth, asyncio"])
 def server(request):
-    echo = Echo()
+    use_asyncio = request.param.endswith("asyncio")
+    echo = AsyncEcho() if use_asyncio else Echo()
     interceptors = [RejectUnparsable()]
-    if request.param == "with auth":
+    if request.param.startswith("with auth"):
         interceptors.insert(0, AuthInterceptor(Authenticator(ApiKeys([KEY]))))
     server, port, _ = build_server(lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(echo, s),
-                                   ["pdserve.v1.GenerateService"], interceptors=interceptors)  # fmt: skip
+                                   ["pdserve.v1.GenerateService"], interceptors=interceptors,
+                                   use_asyncio=use_asyncio)  # fmt: skip
     server.start()
-    yield f"127.0.0.1:{port}", echo, (("x-api-key", KEY),) if request.param == "with auth" else ()
+    yield f"127.0.0.1:{port}", echo, (("x-api-key", KEY),) if request.param.startswith("with auth") else ()
     server.stop(0)
 
 

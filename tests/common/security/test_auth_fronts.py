@@ -1,5 +1,6 @@
 """The fronts enforcing an Authenticator, without a model: a gRPC server from ``build_server`` with
-``AuthInterceptor`` (health open, reflection and methods closed, the principal reaches the handler) and an
+``AuthInterceptor`` (health open, reflection and methods closed, the principal reaches the handler; threaded
+and asyncio servers, handlers of every kind) and an
 ``HttpFront`` with ``authenticator=`` (401 in OpenAI's shape, open probes)."""
 
 from __future__ import annotations
@@ -33,18 +34,42 @@ def _who_stream(request, context):
     yield (principal_of(context) or "-").encode()
 
 
-@pytest.fixture(scope="module")
-def grpc_address():
-    handlers = {"Unary": grpc.unary_unary_rpc_method_handler(_who),
-                "Stream": grpc.unary_stream_rpc_method_handler(_who_stream)}  # fmt: skip
+async def _who_async(request, context) -> bytes:
+    return _who(request, context)
+
+
+async def _who_stream_async(request, context):
+    for message in _who_stream(request, context):
+        yield message
+
+
+async def _who_stream_writes(request, context) -> None:  # a coroutine that writes its stream
+    for message in _who_stream(request, context):
+        await context.write(message)
+
+
+HANDLERS = {  # server kind -> (asyncio server?, unary behavior, stream behavior)
+    "threads": (False, _who, _who_stream),
+    "asyncio": (True, _who_async, _who_stream_async),
+    "asyncio, a stream that writes": (True, _who_async, _who_stream_writes),
+    "asyncio, plain handlers": (True, _who, _who_stream),
+}
+
+
+@pytest.fixture(scope="module", params=list(HANDLERS))
+def grpc_address(request):
+    """The interceptor behind a threaded server and an asyncio one, with handlers of each kind."""
+    use_asyncio, unary, stream = HANDLERS[request.param]
+    handlers = {"Unary": grpc.unary_unary_rpc_method_handler(unary),
+                "Stream": grpc.unary_stream_rpc_method_handler(stream)}  # fmt: skip
     server, port, health = build_server(
         lambda s: s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),)),
-        [SERVICE], interceptors=[AuthInterceptor(Authenticator(ApiKeys([KEY])))],
+        [SERVICE], interceptors=[AuthInterceptor(Authenticator(ApiKeys([KEY])))], use_asyncio=use_asyncio,
     )  # fmt: skip
     server.start()
     health.set_serving(True)
     yield f"127.0.0.1:{port}"
-    server.stop(0)
+    server.stop(0).wait(10)
 
 
 def call(address: str, method: str, metadata=()):
