@@ -44,8 +44,8 @@ class RouterConfig:
     retry_after_s: float = field(default=1.0, metadata=_help("retry hint sent with RESOURCE_EXHAUSTED / 429"))
     request_timeout_s: float = field(default=600.0, metadata=_help("deadline of a request without a client deadline"))
     max_streams: int = field(
-        default=1024, metadata=_help("gRPC calls served at once: each open Generate stream holds one of this many "
-                                     "threads; more calls wait for one")
+        default=1024, metadata=_help("Generate streams served at once over gRPC (they share one event loop); "
+                                     "more calls wait for one to end")
     )
     otlp_endpoint: str = field(
         default="", metadata=_help("OTLP gRPC endpoint of traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")

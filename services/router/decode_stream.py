@@ -5,9 +5,10 @@ attributes (``config``, ``metrics``, ``tracker``, ``view``, ``tracing``, ``_chan
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
+from contextlib import aclosing
 
 import grpc
 
@@ -25,38 +26,41 @@ MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.Status
 
 
 class DecodeStreamMixin:
-    def _serve_local(self, rid, prompt_ids, sampling_msg, deadline_s, context, timer, d, reason: str):
+    async def _serve_local(self, rid, prompt_ids, sampling_msg, deadline_s, context, timer, d, reason: str,
+                           outcome):
         """Conditional disaggregation: the decode worker prefills the prompt itself (``prefill_here``)."""
         decode_stub = worker_pb2_grpc.DecodeServiceStub(self._channel(d.address))
         self.tracker.acquire(d.id)
         try:
             now = time.time()
-            self._record_update(rid, status="decoding", decode_worker_id=d.id, route_reason=reason, routed_at=now,
-                                decode_started_at=now)
+            await self._record_update(rid, status="decoding", decode_worker_id=d.id, route_reason=reason,
+                                      routed_at=now, decode_started_at=now)
             call = decode_stub.Decode(
                 worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
                                          prefill_here=True),
                 timeout=max(0.1, deadline_s - time.monotonic()), metadata=self.tracing.outgoing_metadata(),
             )  # fmt: skip
-            context.add_callback(call.cancel)
-            yield from self._relay(rid, call, decode_stub, d.id, "", prompt_ids, 0, timer, context, sampling_msg,
-                                   deadline_s)
-            return d.id
+            async with aclosing(self._relay(rid, call, decode_stub, d.id, "", prompt_ids, 0, timer, context,
+                                            sampling_msg, deadline_s)) as messages:  # fmt: skip
+                async for message in messages:
+                    yield message
+            outcome.decode_id = d.id
         finally:
             self.tracker.release(d.id)
 
-    def _relay(self, rid, call, decode_stub, d_id: str, p_id: str, prompt_ids: list[int], emitted: int,
-               timer: RequestTimer, context, sampling_msg, deadline_s: float):
+    async def _relay(self, rid, call, decode_stub, d_id: str, p_id: str, prompt_ids: list[int], emitted: int,
+                     timer: RequestTimer, context, sampling_msg, deadline_s: float):
         """Relay a Decode stream to the client, then the last message. A failure before any token reached
         the client (a local prefill) raises HandoffError. After that, a decode worker that fails (it died)
         hands the request to another one, at most ``--max-migrations`` times: the new one prefills the prompt
-        and the tokens already sent, then continues, so the client sees one stream; else the call ends."""
+        and the tokens already sent, then continues, so the client sees one stream; else the call ends. A client
+        that leaves (the stream closed or its task cancelled) cancels the Decode call."""
         finish = types_pb2.FINISH_REASON_UNSPECIFIED
         sent, migrations, failed, held = emitted > 0, 0, set(), []
         try:
             while True:
                 try:
-                    for piece in call:
+                    async for piece in call:
                         emitted += len(piece.token_ids)
                         finish = piece.finish_reason
                         if piece.token_ids or piece.text:
@@ -65,11 +69,11 @@ class DecodeStreamMixin:
                                                                     text=piece.text, logprobs=piece.logprobs)
                             if not sent:  # the first message names the workers
                                 message.prefill_worker_id, message.decode_worker_id, sent = p_id, d_id, True
-                                self._record_update(rid, first_token_at=timer.first_token_at)
+                                await self._record_update(rid, first_token_at=timer.first_token_at)
                             yield message
                     break
                 except grpc.RpcError as exc:
-                    self._release(decode_stub, rid)  # the call may have ended before the worker admitted it
+                    await self._release(decode_stub, rid)  # the call may have ended before the worker admitted it
                     if not sent and exc.code() is not grpc.StatusCode.CANCELLED:
                         raise HandoffError(exc.code(), f"decode worker {d_id} could not serve it: {exc.details()}",
                                            d_id)  # fmt: skip
@@ -77,22 +81,22 @@ class DecodeStreamMixin:
                     if exc.code() is grpc.StatusCode.UNAVAILABLE:
                         self.tracker.suspect(d_id)  # it died or hangs: new requests avoid it too
                     moved = None
-                    if exc.code() in MIGRATABLE and migrations < self.config.max_migrations and context.is_active():
-                        moved = self._migrate(rid, prompt_ids, timer.token_ids, sampling_msg, deadline_s, failed,
-                                              context)  # fmt: skip
+                    if exc.code() in MIGRATABLE and migrations < self.config.max_migrations:
+                        moved = self._migrate(rid, prompt_ids, timer.token_ids, sampling_msg, deadline_s, failed)
                     if moved is None:
                         status = "aborted" if exc.code() is grpc.StatusCode.CANCELLED else "failed"
-                        self._record_finish(rid, status, timer, emitted, error=exc.details() or "")
+                        await self._record_finish(rid, status, timer, emitted, error=exc.details() or "")
                         timer.fail(exc.code().name)
-                        context.abort(exc.code(), f"decode worker {d_id} failed mid-stream: {exc.details()}")
+                        await context.abort(exc.code(), f"decode worker {d_id} failed mid-stream: {exc.details()}")
                     call, decode_stub, d_id = moved
                     held.append(d_id)
                     migrations += 1
                     self.metrics.migrations.inc()
                     log.warning("request %s moved to decode worker %s after %d tokens: %s", rid, d_id,
                                 len(timer.token_ids), exc.details())
-                    self._record_update(rid, decode_worker_id=d_id, num_migrations=migrations)
-        except GeneratorExit:  # the client left: the cancelled Decode may never have reached the worker
+                    await self._record_update(rid, decode_worker_id=d_id, num_migrations=migrations)
+        except (GeneratorExit, asyncio.CancelledError):  # the client left: stop decoding; the cancelled Decode
+            call.cancel()  # may never have reached the worker: free the reservation too
             self._release_soon(decode_stub, rid)
             raise
         finally:
@@ -101,9 +105,9 @@ class DecodeStreamMixin:
         last = self._last(rid, finish, len(prompt_ids), emitted, p_id, d_id)
         last.migrations = migrations
         yield last
-        self._record_finish(rid, "finished", timer, emitted, finish)
+        await self._record_finish(rid, "finished", timer, emitted, finish)
 
-    def _migrate(self, rid, prompt_ids, sent_ids, sampling_msg, deadline_s, failed: set[str], context):
+    def _migrate(self, rid, prompt_ids, sent_ids, sampling_msg, deadline_s, failed: set[str]):
         """Continue a request on another decode worker: (call, stub, worker id), or None if none is left."""
         choice = pick_decode(self.view.workers(), self.tracker, failed)
         if choice is None:
@@ -118,7 +122,6 @@ class DecodeStreamMixin:
                                      sampling=sampling, prefill_here=True),
             timeout=max(0.1, deadline_s - time.monotonic()), metadata=self.tracing.outgoing_metadata(),
         )  # fmt: skip
-        context.add_callback(call.cancel)
         return call, stub, choice.worker.id
 
     def _sticky_decode(self, session: SessionRecord | None, workers, excluded: set[str]) -> Choice | None:
@@ -139,14 +142,14 @@ class DecodeStreamMixin:
         )  # fmt: skip
 
     def _release_soon(self, decode_stub, rid: str) -> None:
-        """:meth:`_release` on a thread of its own (from a closing stream, whose thread must not wait). A Decode
-        call cancelled before the worker started it leaves the reservation to its admission window (10 s)."""
-        threading.Thread(target=self._release, args=(decode_stub, rid), name="release-kv", daemon=True).start()
+        """:meth:`_release` without waiting for it (from a stream that is going away). A Decode call cancelled
+        before the worker started it leaves the reservation to its admission window (10 s) if this fails."""
+        self._spawn(self._release(decode_stub, rid))
 
-    def _release(self, decode_stub, rid: str) -> bool:
+    async def _release(self, decode_stub, rid: str) -> bool:
         """Free a request's reservation (or stop its decoding) on a decode worker; False if it did not answer."""
         try:
-            decode_stub.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid), timeout=5.0)
+            await decode_stub.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid), timeout=5.0)
         except grpc.RpcError as exc:  # the lease frees the blocks anyway
             log.warning("could not release KV of %s: %s", rid, exc.details())
             return False

@@ -1,7 +1,7 @@
 """The router's HTTP API: OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, and
 a WebSocket token stream at ``/v1/generate/ws``. Served on the router's HTTP front (``--http-port``).
 
-Every request goes through :meth:`RouterServicer.Generate` itself (see :mod:`services.router.http_call`), so
+Every request goes through :meth:`RouterServicer.stream` itself (see :mod:`services.router.http_call`), so
 HTTP and gRPC share validation, routing, retries, metrics, records and traces, and give the same tokens.
 
 Streaming (``"stream": true``): server-sent events, one ``data: {chunk}`` per message from the router, then
@@ -22,6 +22,7 @@ the server sends ``{"type": "token", "data": {"text", "token_ids"}, "timestamp"}
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ from common.http.server import HttpFront, send_json
 from common.security.auth import principal_of
 from services.router import openai_requests as oareq
 from services.router import openai_responses as out
-from services.router.http_call import CallAborted, DisconnectWatcher, HttpCallContext
+from services.router.http_call import BlockingStream, CallAborted, DisconnectWatcher, HttpCallContext
 from services.router.openai_protocol import OpenAIError, error_from_grpc, rate_limit_error
 from services.router.rate_limits import RATE_LIMIT_KEY
 from services.router.servicer import RETRY_AFTER_MS_KEY, RouterServicer
@@ -49,8 +50,10 @@ class ClientGone(Exception):
 
 
 class RouterHttpApi:
-    def __init__(self, servicer: RouterServicer, served_model: str) -> None:
+    def __init__(self, servicer: RouterServicer, served_model: str, loop: asyncio.AbstractEventLoop) -> None:
+        """``loop``: the event loop the servicer's streams run on (the router's gRPC server's)."""
         self.servicer = servicer
+        self.loop = loop
         self.served_model = served_model
         self.tokenizer = servicer.model.tokenizer
         self.token_strings = out.TokenStrings(self.tokenizer)
@@ -82,7 +85,7 @@ class RouterHttpApi:
         except ValueError as exc:
             return _send_error(request, OpenAIError(400, str(exc), "invalid_request_error"))
         rid = out.new_id(kind)
-        responses = self.servicer.Generate(parsed.to_generate_request(rid), ctx)
+        responses = BlockingStream(self.loop, self.servicer.stream(parsed.to_generate_request(rid), ctx), ctx)
         watcher = DisconnectWatcher(request.connection, ctx)
         try:
             if parsed.stream:
@@ -93,7 +96,7 @@ class RouterHttpApi:
             ctx.cancel()
         finally:
             watcher.stop()
-            responses.close()  # a generator left mid-way: its cleanup (release KV, records) runs now
+            responses.close()  # a stream left mid-way: its cleanup (release KV, records) runs now
             ctx.done()
 
     def _whole(self, request, kind, parsed, rid, responses) -> None:
@@ -179,7 +182,7 @@ class RouterHttpApi:
         except OpenAIError as exc:
             return _ws_error(ws, exc)
         rid = out.new_id("completion")
-        responses = self.servicer.Generate(parsed.to_generate_request(rid), ctx)
+        responses = BlockingStream(self.loop, self.servicer.stream(parsed.to_generate_request(rid), ctx), ctx)
 
         def watch() -> None:  # the client closing the socket cancels the generation
             while ws.recv() is not None:

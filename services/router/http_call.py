@@ -1,12 +1,14 @@
 """The router's gRPC handler driven from HTTP: a stand-in for ``grpc.ServicerContext``.
 
-The OpenAI API and the WebSocket stream call :meth:`RouterServicer.Generate` directly (same validation,
-routing, retries, metrics, records and traces as gRPC), with an :class:`HttpCallContext` in place of gRPC's
-context:
+The OpenAI API and the WebSocket stream run :meth:`RouterServicer.stream` itself (same validation, routing,
+retries, metrics, records and traces as gRPC) on the router's event loop, read from the HTTP front's thread
+through a :class:`BlockingStream`, with an :class:`HttpCallContext` in place of gRPC's context:
 
-- ``abort(code, details)`` raises :class:`CallAborted` (the HTTP layer turns it into a status and an error);
+- ``await abort(code, details)`` raises :class:`CallAborted` (the HTTP layer turns it into a status and an
+  error);
 - ``add_callback(fn)``: ``fn`` runs once when the call ends: the client went away (:meth:`cancel`, called by
-  :class:`DisconnectWatcher` or a failed write) or the HTTP layer finished (:meth:`done`);
+  :class:`DisconnectWatcher` or a failed write; the stream's task is cancelled, and with it its calls to the
+  workers) or the HTTP layer finished (:meth:`done`);
 - ``time_remaining()``: from the ``X-Request-Timeout`` header (seconds), else None (the router's default);
 - ``invocation_metadata()``: the HTTP headers a trace continues from (``traceparent``, ``tracestate``);
 - the caller's principal, as the HTTP front authenticated it, under ``auth_principal`` like a gRPC context's
@@ -15,11 +17,14 @@ context:
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import aclosing
 
 import grpc
 
@@ -56,9 +61,9 @@ class HttpCallContext:
                 raise ValueError(f"{TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}")
             self._deadline_s = time.monotonic() + timeout_s
 
-    # -- what RouterServicer.Generate uses ---------------------------------------------------------------
+    # -- what RouterServicer.stream uses -----------------------------------------------------------------
 
-    def abort(self, code: grpc.StatusCode, details: str):
+    async def abort(self, code: grpc.StatusCode, details: str):
         raise CallAborted(code, details, self._trailing)
 
     def add_callback(self, fn: Callable[[], None]) -> bool:
@@ -77,9 +82,6 @@ class HttpCallContext:
 
     def set_trailing_metadata(self, metadata) -> None:
         self._trailing = tuple(metadata)
-
-    def is_active(self) -> bool:
-        return not self._ended
 
     # -- the HTTP layer ------------------------------------------------------------------------------------
 
@@ -100,6 +102,52 @@ class HttpCallContext:
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn()
+
+
+class _End:
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+class BlockingStream:
+    """An async stream of messages run on ``loop``, read from another thread as a plain iterator. Ending ``ctx``
+    early (:meth:`HttpCallContext.cancel`) or :meth:`close` cancels its task: the iterator then raises
+    :class:`CallAborted` (CANCELLED). An error the stream raises is raised by the iterator once the messages
+    before it were read."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, messages: AsyncIterator, ctx: HttpCallContext) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._future = asyncio.run_coroutine_threadsafe(self._pump(messages), loop)
+        ctx.add_callback(self.close)
+
+    async def _pump(self, messages: AsyncIterator) -> None:
+        try:
+            async with aclosing(messages):
+                async for message in messages:
+                    self._queue.put(message)
+        except asyncio.CancelledError:
+            self._queue.put(_End(CallAborted(grpc.StatusCode.CANCELLED, "cancelled by the client")))
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the reading thread
+            self._queue.put(_End(exc))
+        else:
+            self._queue.put(_End(None))
+
+    def __iter__(self) -> BlockingStream:
+        return self
+
+    def __next__(self):
+        item = self._queue.get()
+        if isinstance(item, _End):
+            self._queue.put(item)  # ended for good: later reads end the same way
+            if item.error is not None:
+                raise item.error
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """Stop the stream (a no-op once it ended); its cleanup (release KV, records) runs on the loop."""
+        self._future.cancel()
 
 
 class DisconnectWatcher:

@@ -104,9 +104,11 @@ def run(
                  len(rate_limits.per_principal))
     servicer = RouterServicer(model, view, records, config, metrics, tracing, sessions, index, worker_tls=worker_tls,
                               rate_limits=rate_limits)
+    # Streams run on an event loop; the pool (threads made as needed) serves health, reflection and the streams'
+    # Redis calls, one thread per stream at most (a Redis outage slows no stream more than its own calls).
     server, port, health = build_server(
         lambda s: generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, s),
-        [SERVICE_NAME], host=config.host, port=config.port, max_workers=config.max_streams,
+        [SERVICE_NAME], host=config.host, port=config.port, max_workers=config.max_streams, use_asyncio=True,
         interceptors=[*([AuthInterceptor(authenticator)] if authenticator else []), RejectUnparsable()], tls=public_tls,
     )  # fmt: skip
 
@@ -124,7 +126,7 @@ def run(
 
     http = HttpFront(config.host, config.http_port, authenticator=authenticator)
     http.add_observability(metrics.registry, not_ready, details)
-    RouterHttpApi(servicer, served_model_name(config)).register(http)
+    RouterHttpApi(servicer, served_model_name(config), server.loop).register(http)
     http.start()
     server.start()
     health.set_serving(True)

@@ -14,15 +14,23 @@ Life cycle of a request at the router (every stage has a deadline; it ends in a 
 
 The request's record in Redis follows it (status, workers, tokens emitted) and expires after it finishes;
 a Redis outage never fails a request.
+
+Every stream is a task on the router's event loop (``build_server(use_asyncio=True)``): the calls to the
+workers are ``grpc.aio`` calls, Redis and other blocking work runs on the loop's thread pool
+(``asyncio.to_thread``), and a client that goes away cancels the task, which cancels its worker calls and frees
+the decode worker's blocks. The HTTP front drives the same generator from its threads
+(:class:`services.router.http_call.BlockingStream`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -57,6 +65,9 @@ _RETRYABLE = {
 }  # fmt: skip
 
 
+TOKENIZE_ON_LOOP_CHARS = 4096  # longer prompt texts are tokenized on the thread pool, not on the event loop
+
+
 @dataclass
 class ModelInfo:
     """What the router knows of the model without loading its weights."""
@@ -65,6 +76,12 @@ class ModelInfo:
     generation_config: object
     vocab_size: int
     max_model_len: int
+
+
+class _Outcome:
+    """What a served attempt leaves for its caller: the decode worker that finished the request."""
+
+    decode_id = ""
 
 
 class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.GenerateServiceServicer):
@@ -82,7 +99,8 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         rate_limits: RouterRateLimits | None = None,
     ) -> None:
         """``worker_tls``: the channels to the workers use mutual TLS with these files (None: plaintext).
-        ``rate_limits``: the callers' budgets, charged before any worker is touched (None: no limit)."""
+        ``rate_limits``: the callers' budgets, charged before any worker is touched (None: no limit).
+        Its methods run on one event loop (the gRPC server's)."""
         self.model = model
         self.view = view
         self.records = records
@@ -94,13 +112,21 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         self.metrics = metrics
         self.tracing = tracing
         self.tracker = LoadTracker(config.worker_cooldown_s)
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: asyncio.Semaphore | None = None  # --max-streams gRPC streams at once (made on the loop)
+        self._background: set[asyncio.Task] = set()
 
-    def _channel(self, address: str) -> grpc.Channel:
+    def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = channel(address, self.worker_tls)
+            ch = self._channels[address] = channel(address, self.worker_tls, use_asyncio=True)
         return ch
+
+    def _spawn(self, coroutine) -> None:
+        """Run ``coroutine`` on the loop without waiting for it (cleanup of a stream that is going away)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- validation ---------------------------------------------------------------------------------------
 
@@ -124,40 +150,60 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
 
     # -- Generate -----------------------------------------------------------------------------------------
 
-    def Generate(self, request, context) -> Iterator[generate_pb2.GenerateResponse]:
+    async def Generate(self, request, context) -> None:
+        """The gRPC API: at most ``--max-streams`` at once; later calls wait for one to end. A coroutine that
+        writes, so that a client that leaves (the call's task cancelled) closes the stream in this task."""
+        if self._streams is None:
+            self._streams = asyncio.Semaphore(self.config.max_streams)
+        async with self._streams, aclosing(self.stream(request, context)) as messages:
+            async for message in messages:
+                await context.write(message)
+
+    async def stream(self, request, context) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """One request's messages; ``context``: the gRPC call's, or the HTTP front's
+        :class:`services.router.http_call.HttpCallContext`."""
         rid = request.request_id or uuid.uuid4().hex
         with call_scope(self.tracing, "router.Generate", rid, context) as span:
-            yield from self._generate(rid, request, context, trace_id_of(span))
+            async with aclosing(self._generate(rid, request, context, trace_id_of(span))) as messages:
+                async for message in messages:
+                    yield message
 
-    def _generate(self, rid: str, request, context, trace_id: str):
+    async def _generate(self, rid: str, request, context, trace_id: str):
         try:
             _check_request_id(request.request_id)
-            prompt_ids = self._prompt_ids(request)
+            if len(request.text) > TOKENIZE_ON_LOOP_CHARS:
+                prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
+            else:
+                prompt_ids = self._prompt_ids(request)
             sampling = convert.sampling_from_proto(request.sampling, self.model.generation_config,
                                                    self.config.default_max_tokens)
             sampling.validate(self.model.vocab_size)
         except ValueError as exc:
             self.metrics.start_request(0).fail(grpc.StatusCode.INVALID_ARGUMENT.name)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        charge = self._admit(context, prompt_ids, sampling)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        charge = await self._admit(context, prompt_ids, sampling)
         timer = self.metrics.start_request(len(prompt_ids))
         try:
             remaining = context.time_remaining()  # ~9e18 (gRPC) or None (HTTP) when the client set no deadline
             timeout_s = min(self.config.request_timeout_s if remaining is None else remaining,
                             self.config.request_timeout_s)  # 0 is a deadline already past, not "none"
             deadline_s = time.monotonic() + timeout_s
-            self._record_create(rid, len(prompt_ids), trace_id)
-            session = self._session_load(request.session_id) if request.session_id else None
+            await self._record_create(rid, len(prompt_ids), trace_id)
+            session = await self._session_load(request.session_id) if request.session_id else None
             excluded: set[str] = set()
             full: set[str] = set()  # workers that answered RESOURCE_EXHAUSTED
             last_error: HandoffError | None = None
             retries_left = self.config.max_retries
             for attempt in itertools.count(1):
+                outcome = _Outcome()
                 try:
-                    decode_id = yield from self._serve(rid, prompt_ids, request.sampling, deadline_s, excluded,
-                                                       context, timer, session, frozenset(full))
+                    async with aclosing(self._serve(rid, prompt_ids, request.sampling, deadline_s, excluded,
+                                                    context, timer, outcome, session, frozenset(full))) as messages:
+                        async for message in messages:
+                            yield message
                     if request.session_id:
-                        self._session_save(request.session_id, prompt_ids + timer.token_ids, decode_id)
+                        await self._session_save(request.session_id, prompt_ids + timer.token_ids,
+                                                 outcome.decode_id)
                     return
                 except HandoffError as exc:
                     if not exc.worker_id and last_error is not None:  # no other pair: report the real failure
@@ -185,38 +231,38 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                 retry_ms = round(self.config.retry_after_s * 1000)
                 context.set_trailing_metadata(((RETRY_AFTER_MS_KEY, str(retry_ms)),))
                 message = f"cluster saturated, retry after {retry_ms} ms: {message}"
-            self._record_finish(rid, "failed", timer, error=message)
+            await self._record_finish(rid, "failed", timer, error=message)
             timer.fail(last_error.code.name)
-            context.abort(last_error.code, message)
+            await context.abort(last_error.code, message)
         finally:
             timer.fail(grpc.StatusCode.CANCELLED.name)  # the client went away (no-op once the request ended)
             if charge is not None:  # give back the tokens it did not generate
-                self.rate_limits.release(charge, len(timer.token_ids))
+                await asyncio.shield(asyncio.to_thread(self.rate_limits.release, charge, len(timer.token_ids)))
 
-    def _admit(self, context, prompt_ids: list[int], sampling) -> Charge | None:
+    async def _admit(self, context, prompt_ids: list[int], sampling) -> Charge | None:
         """Charge the caller's rate limits (None: no limit set). Over one: RESOURCE_EXHAUSTED naming it, with
         trailing metadata ``rate-limit`` (requests|tokens) and ``retry-after-ms`` (absent when no wait helps)."""
         if self.rate_limits is None:
             return None
         max_completion = min(sampling.max_new_tokens, self.model.max_model_len - len(prompt_ids))
         try:
-            return self.rate_limits.admit(principal_of(context), len(prompt_ids), max_completion)
+            return await asyncio.to_thread(self.rate_limits.admit, principal_of(context), len(prompt_ids),
+                                           max_completion)  # fmt: skip
         except RateLimited as exc:
             self.metrics.rate_limited.labels(exc.limit).inc()
             self.metrics.start_request(0).fail(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
             hint = () if exc.retry_after_ms is None else ((RETRY_AFTER_MS_KEY, str(exc.retry_after_ms)),)
             context.set_trailing_metadata(((RATE_LIMIT_KEY, exc.limit), *hint))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
-    def _serve(self, rid, prompt_ids, sampling_msg, deadline_s, excluded, context, timer: RequestTimer,
-               session: SessionRecord | None = None, full: frozenset[str] = frozenset()):
-        """One attempt on one worker pair (or one decode worker prefilling locally); returns the decode
-        worker's id. ``full``: workers that answered RESOURCE_EXHAUSTED. Raises HandoffError before the first
-        token reaches the client; after that, a decode worker that fails hands the request to another one
-        (:meth:`_relay`)."""
+    async def _serve(self, rid, prompt_ids, sampling_msg, deadline_s, excluded, context, timer: RequestTimer,
+                     outcome: _Outcome, session: SessionRecord | None = None, full: frozenset[str] = frozenset()):
+        """One attempt on one worker pair (or one decode worker prefilling locally); sets ``outcome.decode_id``.
+        ``full``: workers that answered RESOURCE_EXHAUSTED. Raises HandoffError before the first token reaches
+        the client; after that, a decode worker that fails hands the request to another one (:meth:`_relay`)."""
         workers = self.view.workers()
         if not pick_decode(workers, self.tracker, excluded) or not pick_prefill(workers, self.tracker, excluded):
-            self.view.refresh()  # the view may predate a worker that just registered
+            await asyncio.to_thread(self.view.refresh)  # the view may predate a worker that just registered
             workers = self.view.workers()
         decode, local_reason = self._sticky_decode(session, workers, excluded), ""
         if decode is not None:
@@ -225,7 +271,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             decode = pick_decode(workers, self.tracker, excluded)
         if decode is None:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, "no live decode worker", "")
-        prefill = self._pick_prefill(prompt_ids, workers, excluded)
+        prefill = await self._pick_prefill(prompt_ids, workers, excluded)
         threshold = self.config.local_prefill_threshold
         if not local_reason and len(prompt_ids) < threshold:
             local_reason = f"{decode.reason}; {len(prompt_ids)} prompt tokens < --local-prefill-threshold {threshold}"
@@ -233,8 +279,11 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         if not local_reason and prefill is None and prefills and set(prefills) <= full:
             local_reason = f"{decode.reason}; every prefill worker is full: prefilled on decode"
         if local_reason:
-            return (yield from self._serve_local(rid, prompt_ids, sampling_msg, deadline_s, context, timer,
-                                                 decode.worker, local_reason))
+            async with aclosing(self._serve_local(rid, prompt_ids, sampling_msg, deadline_s, context, timer,
+                                                  decode.worker, local_reason, outcome)) as messages:  # fmt: skip
+                async for message in messages:
+                    yield message
+            return
         if prefill is None:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, "no live prefill worker", "")
         d, p = decode.worker, prefill.worker
@@ -248,34 +297,35 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             # 2. reserve on decode (the prefill must answer within the lease: after it the KV has no home)
             lease_ends_s = time.monotonic() + self.config.kv_lease_s
             try:
-                reserved = decode_stub.ReserveKv(
+                reserved = await decode_stub.ReserveKv(
                     worker_pb2.ReserveKvRequest(request_id=rid, num_tokens=len(prompt_ids),
                                                 lease_seconds=self.config.kv_lease_s),
                     timeout=min(10.0, max(0.1, deadline_s - time.monotonic())), metadata=metadata,
                 )
             except grpc.RpcError as exc:
                 raise HandoffError(exc.code(), f"decode worker {d.id} could not reserve KV: {exc.details()}", d.id)
-            self._record_update(rid, status="prefilling", decode_worker_id=d.id, prefill_worker_id=p.id,
-                                route_reason=f"{decode.reason}; {prefill.reason}", routed_at=time.time())
+            except asyncio.CancelledError:  # the client went away: the reservation may have been made
+                self._release_soon(decode_stub, rid)
+                raise
+            await self._record_update(rid, status="prefilling", decode_worker_id=d.id, prefill_worker_id=p.id,
+                                      route_reason=f"{decode.reason}; {prefill.reason}", routed_at=time.time())
             # 3. prefill, KV to decode (a client that goes away cancels it: the prefill worker aborts it)
-            call = prefill_stub.Prefill.future(
-                worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
-                                          kv_target_address=d.address, decode_identity=reserved.identity,
-                                          kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host),
-                timeout=max(0.1, min(deadline_s - time.monotonic(), lease_ends_s - time.monotonic())),
-                metadata=metadata,
-            )  # fmt: skip
-            context.add_callback(call.cancel)
             try:
-                first = call.result()
-            except grpc.FutureCancelledError:  # the client cancelled or disconnected
-                self._release(decode_stub, rid)
-                self._record_finish(rid, "aborted", timer, error="cancelled by the client")
+                first = await prefill_stub.Prefill(
+                    worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
+                                              kv_target_address=d.address, decode_identity=reserved.identity,
+                                              kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host),
+                    timeout=max(0.1, min(deadline_s - time.monotonic(), lease_ends_s - time.monotonic())),
+                    metadata=metadata,
+                )  # fmt: skip
+            except asyncio.CancelledError:  # the client cancelled or disconnected (the call is cancelled too)
+                self._release_soon(decode_stub, rid)
+                self._spawn(self._record_finish(rid, "aborted", timer, error="cancelled by the client"))
                 timer.fail(grpc.StatusCode.CANCELLED.name)
-                context.abort(grpc.StatusCode.CANCELLED, f"request {rid} cancelled by the client")
+                raise
             except grpc.RpcError as exc:
-                if not self._release(decode_stub, rid):  # the decode worker does not answer either: avoid it
-                    excluded.add(d.id)  # too (a hung or dead one, while its registry entry has not lapsed)
+                if not await self._release(decode_stub, rid):  # the decode worker does not answer either: avoid
+                    excluded.add(d.id)  # it too (a hung or dead one, while its registry entry has not lapsed)
                     self.tracker.suspect(d.id)
                 details = exc.details()
                 if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline_s - 0.05:
@@ -296,45 +346,44 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                           prefill_finished_at=first.first_token_at, kv_transfer_started_at=first.kv_transfer_started_at,
                           kv_transfer_finished_at=first.kv_transfer_finished_at)
             if first.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED:
-                self._release(decode_stub, rid)
+                await self._release(decode_stub, rid)
                 timer.on_tokens(first.token_ids)
                 yield first_message
                 yield self._last(rid, first.finish_reason, len(prompt_ids), emitted, p.id, d.id)
-                self._record_update(rid, first_token_at=timer.first_token_at, **stages)
-                self._record_finish(rid, "finished", timer, emitted, first.finish_reason)
-                return d.id
-            # 4. decode and relay (a client gone by now: free the reservation instead). Decode starts before the
-            # first token goes out: the reservation never waits on the client, so a router that dies now
-            # leaves no KV behind for longer than the decode worker's admission window.
-            if not context.is_active():
-                self._release(decode_stub, rid)
-                self._record_finish(rid, "aborted", timer, emitted, error="cancelled by the client")
-                timer.fail(grpc.StatusCode.CANCELLED.name)
-                context.abort(grpc.StatusCode.CANCELLED, f"request {rid} cancelled by the client")
+                await self._record_update(rid, first_token_at=timer.first_token_at, **stages)
+                await self._record_finish(rid, "finished", timer, emitted, first.finish_reason)
+                outcome.decode_id = d.id
+                return
+            # 4. decode and relay. Decode starts before the first token goes out: the reservation never waits on
+            # the client, so a router that dies now leaves no KV behind for longer than the decode worker's
+            # admission window.
             call = decode_stub.Decode(
                 worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                          output_token_ids=first.token_ids, sampling=sampling_msg,
                                          generator_state=first.generator_state),
                 timeout=max(0.1, deadline_s - time.monotonic()), metadata=metadata,
             )
-            context.add_callback(call.cancel)  # the client went away: stop decoding (frees the blocks)
             timer.on_tokens(first.token_ids)
-            self._record_update(rid, status="decoding", num_tokens_emitted=emitted, decode_started_at=time.time(),
-                                first_token_at=timer.first_token_at, **stages)
             try:
+                await self._record_update(rid, status="decoding", num_tokens_emitted=emitted,
+                                          decode_started_at=time.time(), first_token_at=timer.first_token_at,
+                                          **stages)  # fmt: skip
                 yield first_message
-            except GeneratorExit:  # the client left: the cancelled Decode may never have reached the worker
+            except (GeneratorExit, asyncio.CancelledError):  # the client left: stop decoding (the cancelled
+                call.cancel()  # Decode may never have reached the worker: free the reservation too)
                 self._release_soon(decode_stub, rid)
                 raise
-            yield from self._relay(rid, call, decode_stub, d.id, p.id, prompt_ids, emitted, timer, context,
-                                   sampling_msg, deadline_s)
-            return d.id
+            async with aclosing(self._relay(rid, call, decode_stub, d.id, p.id, prompt_ids, emitted, timer,
+                                            context, sampling_msg, deadline_s)) as messages:  # fmt: skip
+                async for message in messages:
+                    yield message
+            outcome.decode_id = d.id
         finally:
             self.tracker.release(d.id)
             if not prefill_released:
                 self.tracker.release(p.id)
 
-    def _pick_prefill(self, prompt_ids: list[int], workers, excluded: set[str]) -> Choice | None:
+    async def _pick_prefill(self, prompt_ids: list[int], workers, excluded: set[str]) -> Choice | None:
         """Cache-aware when the prefix index answers and there is a choice; else the load-only policy."""
         candidates = [w for w in workers if w.role == "prefill" and w.id not in excluded]
         if len(candidates) < 2 or self.prefix_index is None:
@@ -342,7 +391,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         bs = candidates[0].block_size
         names = block_hashes(prompt_ids, bs, max_blocks=(len(prompt_ids) - 1) // bs)
         try:
-            blocks = self.prefix_index.overlap([w.id for w in candidates], names)
+            blocks = await asyncio.to_thread(self.prefix_index.overlap, [w.id for w in candidates], names)
         except Exception as exc:  # noqa: BLE001 - Redis away: route on load alone
             log.debug("prefix index unavailable: %s", exc)
             return pick_prefill(workers, self.tracker, excluded)

@@ -191,14 +191,14 @@ def test_a_deadline_with_no_time_left_is_kept(cluster):
 class _NoRouter:
     model = type("Model", (), {"tokenizer": None})
 
-    def Generate(self, request, context):
+    def stream(self, request, context):  # raises before any loop would run it
         raise AssertionError(f"a malformed request reached the router: {request}")
 
 
 @pytest.fixture(scope="module")
 def bare_front():
     front = HttpFront("127.0.0.1", 0)
-    RouterHttpApi(_NoRouter(), "m").register(front)
+    RouterHttpApi(_NoRouter(), "m", loop=None).register(front)
     front.start()
     yield front.address
     front.stop()

@@ -1,8 +1,9 @@
 """Many streams at once: a decode worker streams as many requests as its batch holds, not as many as it has gRPC
 threads (its Decode streams share one asyncio event loop: ``build_server(use_asyncio=True)``; it stopped at its
 32 threads before), a prefill worker takes as many as ``--max-pending-requests`` (its pool stopped it at 32),
-and the router serves more than its former 64 streams at once (``--max-streams``, 1024). 72 streams through one
-router to one prefill and one decode worker, each the tokens stock ``generate`` gives."""
+and the router serves more than its former 64 streams at once (``--max-streams``, 1024; its streams share one
+event loop). 72 streams through one router to one prefill and one decode worker, each the tokens stock
+``generate`` gives. With ``--max-streams 2`` a third stream waits for one to end, then is served."""
 
 from __future__ import annotations
 
@@ -109,3 +110,33 @@ def test_the_router_serves_more_streams_at_once_than_64(load):
 def test_a_router_refuses_max_streams_below_one(tiny_model_dir):
     with pytest.raises(ValueError, match="--max-streams must be at least 1, got 0"):
         router_main.run(RouterConfig(model=tiny_model_dir("llama"), max_streams=0))
+
+
+def test_max_streams_holds_later_streams_until_one_ends(tiny_model_dir):
+    prompts = [[(5 * i + 3 * j) % 3000 + 4 for j in range(12)] for i in range(3)]
+    first_token_s, end_s, errors = [0.0] * 3, [0.0] * 3, []
+    with inprocess_cluster(tiny_model_dir("llama"), prefill=[{"worker_id": "prefill-0"}],
+                           decode=[{"worker_id": "decode-0"}], router={"max_streams": 2}) as c:
+        start = threading.Barrier(4)
+
+        def one(i: int) -> None:
+            try:
+                with Client(c.router, timeout_s=60) as client:
+                    start.wait()
+                    t0 = time.monotonic()
+                    for piece in client.stream(prompts[i], max_tokens=48, temperature=0.0, ignore_eos=True):
+                        if piece.token_ids and not first_token_s[i]:
+                            first_token_s[i] = time.monotonic() - t0
+                    end_s[i] = time.monotonic() - t0
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        start.wait()
+        for t in threads:
+            t.join(90)
+    assert not errors, errors
+    late = [i for i in range(3) if first_token_s[i] >= min(end_s)]
+    assert len(late) == 1, f"first tokens {first_token_s}, ends {end_s}: one stream should have waited"
