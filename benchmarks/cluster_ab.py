@@ -15,7 +15,9 @@ tokens. Ratio > 1: this checkout is faster. Extra ``pdserve up`` arguments go af
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -32,11 +34,15 @@ from cluster_overhead import make_prompts, run_cluster  # noqa: E402
 
 @contextmanager
 def cluster_from(checkout: Path, model: str, log_dir: str, extra: list[str]):
-    """``pdserve up`` run from ``checkout`` (this Python); yields its router address."""
+    """``pdserve up`` run from ``checkout`` (this Python); yields its router address. Each checkout builds and
+    loads its own CPU kernels (a torch extension directory of its own: the two may differ)."""
+    kernels = Path(tempfile.gettempdir(), "pdserve-ab-kernels", hashlib.sha256(str(checkout.resolve()).encode())
+                   .hexdigest()[:12])  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "up", "--model", model, "--prefill", "1", "--decode", "1",
          "--log-dir", log_dir, "--worker-arg=--max-model-len=1024", "--worker-arg=--no-prefix-caching", *extra],
         cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(kernels)},
     )  # fmt: skip
     try:
         line = proc.stdout.readline()

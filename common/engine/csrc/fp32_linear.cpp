@@ -10,13 +10,15 @@
 //   partial sums wait in a 4 KiB buffer between slices. At prefill sizes (128-2048 rows) this ran at
 //   0.8-1.0x oneDNN there: widening slices of columns for torch's GEMM did no better (the copy costs 10-15%
 //   at 256 rows with these models' small K).
-// The engine uses it only on CPUs without AVX-512, where oneDNN has its own wider kernels.
+// The engine uses it only on CPUs without AVX-512, where oneDNN has its own wider kernels. Blocks are handed
+// out in chunks the threads claim as they come (parallel.h): a thread the OS preempts holds no share back.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "linear.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -139,7 +141,7 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   float* op = call.out.data_ptr<float>();
   const int64_t blocks = packed.size(0);
   if (m == 1) {
-    at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    pdserve::parallel_claim(blocks, pdserve::claim_chunk(blocks, k * 16), [&](int64_t b0, int64_t b1) {
       alignas(32) float acc[16];
       for (int64_t b = b0; b < b1; ++b) {
         row(w + b * k * 16, k, xp, acc);
@@ -150,7 +152,7 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const std:
     // row groups outer: a group's rows of x (64 x K floats) stay in L2 while the blocks' weights stream past
     for (int64_t r0 = 0; r0 < m; r0 += kRowGroup) {
       const int64_t rows_here = std::min(kRowGroup, m - r0);
-      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      pdserve::parallel_claim(blocks, pdserve::claim_chunk(blocks, rows_here * k * 16), [&](int64_t b0, int64_t b1) {
         alignas(32) float acc[kRowGroup * 16];
         for (int64_t b = b0; b < b1; ++b) {
           const float* wb = w + b * k * 16;

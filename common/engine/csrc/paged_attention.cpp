@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -134,7 +135,10 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // (sequence, KV head) items claimed in chunks as the threads come (parallel.h): items differ in length, and a
+  // preempted thread holds no share back
+  pdserve::parallel_claim(batch * kv_heads, std::max<int64_t>(1, batch * kv_heads / 16), [&](int64_t begin,
+                                                                                         int64_t end) {
     std::vector<float> q(group * dim), acc(group * dim), rows(block_size * dim), scores, total(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;
