@@ -24,6 +24,7 @@
 
 #include "bf16.h"
 #include "linear.h"
+#include "parallel.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -258,7 +259,7 @@ void linear_avx2(const at::Tensor& rows, const __m256i* w, int64_t kp_count, con
   }
   const int64_t used_blocks = (n + 15) / 16;  // the padding blocks past n hold zeros
   if (m == 1) {
-    at::parallel_for(0, used_blocks, 8, [&](int64_t b0, int64_t b1) {
+    pdserve::parallel_claim(used_blocks, pdserve::claim_chunk(used_blocks, k * 16), [&](int64_t b0, int64_t b1) {
       alignas(32) float acc[16];
       for (int64_t b = b0; b < b1; ++b) {
         row_avx2(w + 2 * b * kp_count, kp_count, x, acc);
@@ -271,7 +272,8 @@ void linear_avx2(const at::Tensor& rows, const __m256i* w, int64_t kp_count, con
   const int64_t chunk = std::max<int64_t>(6, (192 * 1024 / (4 * k)) / 6 * 6);
   for (int64_t r0 = 0; r0 < m; r0 += chunk) {
     const int64_t r1 = std::min(m, r0 + chunk);
-    at::parallel_for(0, used_blocks, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t claim = pdserve::claim_chunk(used_blocks, (r1 - r0) * k * 16);
+    pdserve::parallel_claim(used_blocks, claim, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const __m256i* wb = w + 2 * b * kp_count;
         int64_t r = r0;
@@ -298,12 +300,12 @@ void linear_avx512(const at::Tensor& rows, const __m512i* w, int64_t kp_count, i
   const int64_t m = rows.size(0);
   const uint32_t* xr = reinterpret_cast<const uint32_t*>(rows.data_ptr());
   if (m == 1) {
-    at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    pdserve::parallel_claim(blocks, pdserve::claim_chunk(blocks, kp_count * 32), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) row_block(w + b * kp_count, kp_count, xr, bias, op, 16 * b, n);
     });
     return;
   }
-  at::parallel_for(0, blocks / 2, 1, [&](int64_t p0, int64_t p1) {
+  pdserve::parallel_claim(blocks / 2, pdserve::claim_chunk(blocks / 2, m * kp_count * 64), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const __m512i* wp = w + 2 * p * kp_count;
       const int64_t col = 32 * p;
