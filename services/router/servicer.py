@@ -184,7 +184,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         charge = await self._admit(context, prompt_ids, sampling)
         timer = self.metrics.start_request(len(prompt_ids))
         try:
-            remaining = context.time_remaining()  # ~9e18 (gRPC) or None (HTTP) when the client set no deadline
+            remaining = context.time_remaining()  # None when the client set no deadline
             timeout_s = min(self.config.request_timeout_s if remaining is None else remaining,
                             self.config.request_timeout_s)  # 0 is a deadline already past, not "none"
             deadline_s = time.monotonic() + timeout_s
@@ -307,10 +307,10 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             except asyncio.CancelledError:  # the client went away: the reservation may have been made
                 self._release_soon(decode_stub, rid)
                 raise
-            await self._record_update(rid, status="prefilling", decode_worker_id=d.id, prefill_worker_id=p.id,
-                                      route_reason=f"{decode.reason}; {prefill.reason}", routed_at=time.time())
             # 3. prefill, KV to decode (a client that goes away cancels it: the prefill worker aborts it)
             try:
+                await self._record_update(rid, status="prefilling", decode_worker_id=d.id, prefill_worker_id=p.id,
+                                          route_reason=f"{decode.reason}; {prefill.reason}", routed_at=time.time())
                 first = await prefill_stub.Prefill(
                     worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
                                               kv_target_address=d.address, decode_identity=reserved.identity,
