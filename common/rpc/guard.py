@@ -39,25 +39,23 @@ def guarded(behavior: Callable, check: Check, response_streaming: bool) -> Calla
     :class:`Refusal` from the check ends the call with its status instead. A plain behavior refuses by setting
     the status and returning no message (grpc.aio runs it on a thread, where an ``abort`` of a streaming call
     never ends it)."""
+    async def checked(request, context):  # the context to run with, or the call aborted
+        try:
+            return check(request, context)
+        except Refusal as refusal:
+            await context.abort(refusal.code, refusal.details)
+
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request, context):
-            try:
-                inner = check(request, context)
-            except Refusal as refusal:
-                await context.abort(refusal.code, refusal.details)
-            async for message in behavior(request, inner):
+            async for message in behavior(request, await checked(request, context)):
                 yield message
 
         return stream
     if inspect.iscoroutinefunction(behavior):
 
         async def coroutine(request, context):
-            try:
-                inner = check(request, context)
-            except Refusal as refusal:
-                await context.abort(refusal.code, refusal.details)
-            return await behavior(request, inner)
+            return await behavior(request, await checked(request, context))
 
         return coroutine
 
