@@ -46,9 +46,10 @@ class PackedLinear(torch.nn.Module):
       ``torch.ops.pdserve.bf16_linear``. With AVX512-BF16 faster than oneDNN at one row and as fast at 16 to 512
       (a Zen 4 VM); with AVX2 alone, where oneDNN packs no bf16 and torch's bf16 matmul is a scalar loop, the
       only fast path (common/engine/csrc/bf16_linear.cpp).
-    - ``"fp32_blocks"``: an fp32 weight on an AVX2 CPU without AVX-512, with ``kernel``: blocks of 16 features
-      for ``torch.ops.pdserve.fp32_linear``, 1.4-1.65x oneDNN at the 1-16 rows of decoding there
-      (common/engine/csrc/fp32_linear.cpp).
+    - ``"fp32_blocks"``: an fp32 weight on an x86 CPU with AVX2 and FMA, with ``kernel``: blocks of 16 features
+      for ``torch.ops.pdserve.fp32_linear``, 1.4-1.65x oneDNN at the 1-16 rows of decoding on AVX2 alone, and
+      with AVX-512 (a Xeon) the 60M engine 1.25x at 16 streams, 1.32x single-stream and 1.09x on a 2,048-token
+      prefill (common/engine/csrc/fp32_linear.cpp).
     - ``"onednn"``: oneDNN's own packing for its matmul (every other case).
     """
 
@@ -101,15 +102,15 @@ class PackedLinear(torch.nn.Module):
 def _own_layout(weight: torch.Tensor) -> str:
     """The layout of a weight when the engine's kernels are loaded. bf16: the pair packing, but not on CPUs with
     AMX, where oneDNN's AMX tiles run the many-row shapes (prefill) at up to twice what vdpbf16ps can and one
-    packing serves all shapes. fp32: the 16-feature blocks on AVX2 CPUs without AVX-512 (where oneDNN has its
-    own wider kernels; the blocks were measured on an AVX2-only CPU only)."""
+    packing serves all shapes. fp32: the 16-feature blocks wherever the kernel was built (AVX2 and FMA; wider
+    tiles and a GEMM hand-off for prefill with AVX-512)."""
     flags = cpu_kernels.cpu_flags()
     if weight.device.type != "cpu":
         return "onednn"
     if (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and "amx_bf16" not in flags
             and torch.ops.pdserve.bf16_linear_supported()):  # fmt: skip
         return "bf16_pairs"
-    if weight.dtype == torch.float32 and "avx512f" not in flags and torch.ops.pdserve.fp32_linear_supported():
+    if weight.dtype == torch.float32 and torch.ops.pdserve.fp32_linear_supported():
         return "fp32_blocks"
     return "onednn"
 

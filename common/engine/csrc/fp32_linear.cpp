@@ -1,17 +1,20 @@
-// fp32 linear layers for x86 CPUs with AVX2 and FMA, over weights packed in blocks of 16 output features.
+// fp32 linear layers for x86 CPUs with AVX2 and FMA (and wider tiles with AVX-512), over weights packed in
+// blocks of 16 output features.
 //
 // Packed layout: [N_pad / 16, K, 16] — each block's 16 features side by side for every input, so one input
-// feature is two 32-byte vectors and a row of x needs no horizontal sums: out[16] += W[k] * broadcast(x[k]).
-// Decode shapes (a few rows) are where oneDNN's packed fp32 inner product is weakest on AVX2-only CPUs: on a
-// 2-core Zen 3 VM the 60M model's linear layers ran 1.4-1.65x faster here at 1 to 16 rows and even at 64.
+// feature is one 64-byte line (two AVX2 registers, one AVX-512 register) and a row of x needs no horizontal
+// sums: out[16] += W[k] * broadcast(x[k]). Decode shapes (a few rows) are where oneDNN's packed fp32 inner
+// product is weakest: on a 2-core Zen 3 VM (AVX2) the 60M model's linear layers ran 1.4-1.65x faster here at 1
+// to 16 rows and even at 64; on a 2-core Xeon with AVX-512 1.1-1.6x at 1 to 16 rows.
 // - One row: eight FMA chains over the block, streaming its weights once.
 // - More rows: in groups of 64 (a group's x stays in L2 while the blocks' weights stream past), each block's
-//   inputs in slices of 256 (16 KiB of weights, in L1) under tiles of 6 rows x 16 features (12 accumulators);
-//   partial sums wait in a 4 KiB buffer between slices. At prefill sizes (128-2048 rows) this ran at
-//   0.8-1.0x oneDNN there: widening slices of columns for torch's GEMM did no better (the copy costs 10-15%
-//   at 256 rows with these models' small K).
-// The engine uses it only on CPUs without AVX-512, where oneDNN has its own wider kernels. Blocks are handed
-// out in chunks the threads claim as they come (parallel.h): a thread the OS preempts holds no share back.
+//   inputs in slices of kDepth (its weights stay in L1) under register tiles (AVX2: 6 rows x 1 block, AVX-512:
+//   6 rows x 4 blocks); partial sums wait in a buffer between slices. On AVX2 at prefill sizes (128-2048 rows)
+//   this ran at 0.8-1.0x oneDNN, and widening slices of columns for torch's GEMM did no better (the copy costs
+//   10-15% at 256 rows with these models' small K); on AVX-512 the tiles ran at 0.75-0.85x there, so from 512
+//   rows a slice of blocks is widened into w^T's columns for torch's GEMM (0.8-1.0x oneDNN, noisy VM).
+// Blocks are handed out in chunks the threads claim as they come (parallel.h): a thread the OS preempts holds
+// no share back.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -51,42 +54,86 @@ at::Tensor pack_fp32_blocks(const at::Tensor& w) {
 
 #ifdef PDSERVE_FP32_LINEAR
 
-constexpr int64_t kRowGroup = 64;   // rows whose partial sums one block keeps in its buffer
-constexpr int64_t kDepth = 256;     // inputs per slice: a block's slice of weights is 16 KiB
+constexpr int64_t kRowGroup = 64;  // rows whose partial sums one block keeps in its buffer
+// Tiles inlined into their loops: compiled on their own, GCC kept their accumulators on the stack (1.5x slower).
+#define PDSERVE_TILE inline __attribute__((always_inline))
 
-// R rows x 16 features over inputs [0, depth) of w (the block's slice) and x (rows x_stride apart); sums
-// added to (or, when first, written over) acc, R rows 16 apart.
-template <int R>
-inline void tile(const float* w, int64_t depth, const float* x, int64_t x_stride, float* acc, bool first) {
-  __m256 a[2][R];
-  for (int r = 0; r < R; ++r) {
-    a[0][r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + 16 * r);
-    a[1][r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + 16 * r + 8);
+#if defined(__AVX512F__)
+constexpr int64_t kDepth = 128;  // inputs per slice: a tile's 4 blocks of weights take 32 KiB
+// Rows from which the weights are widened, a slice of columns at a time, for torch's fp32 GEMM (which runs
+// near the FLOP peak there): the tiles below reach 0.75-0.85x oneDNN at prefill sizes.
+constexpr int64_t kWidenRows = 512;
+// AVX-512: a block's 16 features are one register. Tiles cover R rows x B blocks (6 x 4: 24 accumulators; four
+// weight loads and six broadcasts feed 24 multiply-adds), so the loads keep up with both FMA units.
+constexpr int kTileRows = 6;
+constexpr int kTileBlocks = 4;
+
+// R rows x B blocks over inputs [0, depth) of w (block b's slice at w + b * w_stride) and x (rows x_stride
+// apart); each slice sums from zero, then adds to (or, when first, writes over) acc, block b's at
+// acc + b * acc_stride, rows 16 apart: sums of K terms round as 256-term chains added up, not one long chain.
+template <int R, int B>
+PDSERVE_TILE void tile(const float* w, int64_t w_stride, int64_t depth, const float* x, int64_t x_stride, float* acc,
+                 int64_t acc_stride, bool first) {
+  __m512 a[B][R];
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < R; ++r) a[b][r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < depth; ++i) {
+    __m512 wv[B];
+    for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_ps(w + b * w_stride + 16 * i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * x_stride + i]);
+      for (int b = 0; b < B; ++b) a[b][r] = _mm512_fmadd_ps(wv[b], xv, a[b][r]);
+    }
   }
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < R; ++r) {
+      float* out = acc + b * acc_stride + 16 * r;
+      _mm512_storeu_ps(out, first ? a[b][r] : _mm512_add_ps(_mm512_loadu_ps(out), a[b][r]));
+    }
+}
+
+// One row against one block: eight chains, summed once.
+inline void row(const float* w, int64_t k, const float* x, float* acc) {
+  __m512 a[8];
+  for (auto& v : a) v = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8)
+    for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(_mm512_loadu_ps(w + 16 * (i + u)), _mm512_set1_ps(x[i + u]), a[u]);
+  for (; i < k; ++i) a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + 16 * i), _mm512_set1_ps(x[i]), a[0]);
+  const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
+                                 _mm512_add_ps(_mm512_add_ps(a[4], a[5]), _mm512_add_ps(a[6], a[7])));
+  _mm512_storeu_ps(acc, s);
+}
+#else
+constexpr int64_t kDepth = 256;  // inputs per slice: a block's slice of weights is 16 KiB
+// On AVX2 CPUs the tiles ran at 0.8-1.0x oneDNN at prefill sizes and widening did no better (measured at 256 rows).
+constexpr int64_t kWidenRows = INT64_MAX;
+// AVX2: a block's 16 features are two registers; tiles of R rows x 1 block (12 accumulators at R = 6).
+constexpr int kTileRows = 6;
+constexpr int kTileBlocks = 1;
+
+template <int R, int B>
+PDSERVE_TILE void tile(const float* w, int64_t, int64_t depth, const float* x, int64_t x_stride, float* acc, int64_t,
+                 bool first) {
+  static_assert(B == 1, "the AVX2 tiles cover one block");
+  __m256 lo[R], hi[R];  // features 0-7 and 8-15 (two plain arrays: GCC keeps them in registers)
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < depth; ++i) {
     const __m256 w0 = _mm256_loadu_ps(w + 16 * i), w1 = _mm256_loadu_ps(w + 16 * i + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + i);
-      a[0][r] = _mm256_fmadd_ps(w0, xv, a[0][r]);
-      a[1][r] = _mm256_fmadd_ps(w1, xv, a[1][r]);
+      lo[r] = _mm256_fmadd_ps(w0, xv, lo[r]);
+      hi[r] = _mm256_fmadd_ps(w1, xv, hi[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(acc + 16 * r, a[0][r]);
-    _mm256_storeu_ps(acc + 16 * r + 8, a[1][r]);
-  }
-}
-
-// rows (1 to 5) left after the tiles of 6.
-inline void tail_tile(int64_t rows, const float* w, int64_t depth, const float* x, int64_t x_stride, float* acc,
-                      bool first) {
-  switch (rows) {
-    case 5: tile<5>(w, depth, x, x_stride, acc, first); break;
-    case 4: tile<4>(w, depth, x, x_stride, acc, first); break;
-    case 3: tile<3>(w, depth, x, x_stride, acc, first); break;
-    case 2: tile<2>(w, depth, x, x_stride, acc, first); break;
-    case 1: tile<1>(w, depth, x, x_stride, acc, first); break;
-    default: break;
+    float* out = acc + 16 * r;
+    if (!first) {
+      lo[r] = _mm256_add_ps(_mm256_loadu_ps(out), lo[r]);
+      hi[r] = _mm256_add_ps(_mm256_loadu_ps(out + 8), hi[r]);
+    }
+    _mm256_storeu_ps(out, lo[r]);
+    _mm256_storeu_ps(out + 8, hi[r]);
   }
 }
 
@@ -109,6 +156,48 @@ inline void row(const float* w, int64_t k, const float* x, float* acc) {
   }
   _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[4], a[6])));
   _mm256_storeu_ps(acc + 8, _mm256_add_ps(_mm256_add_ps(a[1], a[3]), _mm256_add_ps(a[5], a[7])));
+}
+#endif
+
+// rows 1 to kTileRows - 1, left after the full tiles.
+template <int B, int R = kTileRows - 1>
+inline void tail_tile(int64_t rows, const float* w, int64_t w_stride, int64_t depth, const float* x,
+                      int64_t x_stride, float* acc, int64_t acc_stride, bool first) {
+  if constexpr (R >= 1) {
+    if (rows == R) return tile<R, B>(w, w_stride, depth, x, x_stride, acc, acc_stride, first);
+    tail_tile<B, R - 1>(rows, w, w_stride, depth, x, x_stride, acc, acc_stride, first);
+  }
+}
+
+// rows x B blocks (block b of `blocks` starting at w): all tiles over inputs [0, k) in slices of kDepth, sums
+// in acc (block b's at acc + b * kRowGroup * 16).
+template <int B>
+inline void row_group(const float* w, int64_t k, const float* x, int64_t rows, float* acc) {
+  constexpr int64_t acc_stride = kRowGroup * 16;
+  for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
+    const int64_t depth = std::min(kDepth, k - k0);
+    const float* xk = x + k0;
+    int64_t r = 0;
+    for (; r + kTileRows <= rows; r += kTileRows)
+      tile<kTileRows, B>(w + 16 * k0, k * 16, depth, xk + r * k, k, acc + 16 * r, acc_stride, k0 == 0);
+    tail_tile<B>(rows - r, w + 16 * k0, k * 16, depth, xk + r * k, k, acc + 16 * r, acc_stride, k0 == 0);
+  }
+}
+
+// row_group over `blocks` (1 to kTileBlocks) blocks
+template <int B = kTileBlocks>
+inline void blocks_group(int64_t blocks, const float* w, int64_t k, const float* x, int64_t rows, float* acc) {
+  if constexpr (B >= 1) {
+    if (blocks == B) return row_group<B>(w, k, x, rows, acc);
+    blocks_group<B - 1>(blocks, w, k, x, rows, acc);
+  }
+}
+
+// Blocks [b0, b1) of w, inputs [i0, i1), into rows i0..i1 of a row-major [K, (b1 - b0) * 16] matrix.
+inline void unpack_blocks(const float* w, int64_t k, int64_t b0, int64_t b1, int64_t i0, int64_t i1, float* out) {
+  const int64_t stride = (b1 - b0) * 16;
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t i = i0; i < i1; ++i) std::copy_n(w + (b * k + i) * 16, 16, out + i * stride + (b - b0) * 16);
 }
 
 // rows x 16 sums (16 apart) -> output columns [col, min(col + 16, n)), bias added.
@@ -142,28 +231,45 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   const int64_t blocks = packed.size(0);
   if (m == 1) {
     pdserve::parallel_claim(blocks, pdserve::claim_chunk(blocks, k * 16), [&](int64_t b0, int64_t b1) {
-      alignas(32) float acc[16];
+      alignas(64) float acc[16];
       for (int64_t b = b0; b < b1; ++b) {
         row(w + b * k * 16, k, xp, acc);
         store(acc, 1, bp, op, n, 16 * b);
       }
     });
+  } else if (m >= kWidenRows) {
+    // many rows (prefill): a slice of blocks (~4 MiB) widened to w^T's columns, then torch's GEMM; the copy
+    // costs K x 16 x 4 bytes written per block against m x K x 16 multiply-adds
+    const int64_t slice = std::max<int64_t>(1, (4 << 20) / (4 * 16 * k));  // blocks
+    // kept between calls (a calling thread's ~4 MiB): a fresh one costs a page fault per 4 KiB every call
+    thread_local at::Tensor wide;
+    if (!wide.defined() || wide.numel() < k * std::min(slice, blocks) * 16)
+      wide = at::empty({k * std::min(slice, blocks) * 16}, call.rows.options());
+    for (int64_t b0 = 0; b0 < blocks; b0 += slice) {
+      const int64_t b1 = std::min(blocks, b0 + slice), c0 = b0 * 16, c1 = std::min(n, b1 * 16);
+      at::Tensor wslice = wide.narrow(0, 0, k * (b1 - b0) * 16).view({k, (b1 - b0) * 16});
+      float* ws = wslice.data_ptr<float>();
+      at::parallel_for(0, k, 16, [&](int64_t i0, int64_t i1) {  // 16 inputs a turn: a KiB read from each block
+        for (int64_t i = i0; i < i1; i += 16) unpack_blocks(w, k, b0, b1, i, std::min(i1, i + 16), ws);
+      });
+      at::Tensor dest = call.out.narrow(1, c0, c1 - c0);  // rows n apart: the GEMM writes it in place
+      at::mm_out(dest, call.rows, wslice.narrow(1, 0, c1 - c0));
+      if (bp) dest.add_(call.bias.narrow(0, c0, c1 - c0));
+    }
   } else {
-    // row groups outer: a group's rows of x (64 x K floats) stay in L2 while the blocks' weights stream past
+    // row groups outer: a group's rows of x (64 x K floats) stay in L2 while the blocks' weights stream past;
+    // the threads claim tiles of kTileBlocks blocks
+    const int64_t units = (blocks + kTileBlocks - 1) / kTileBlocks;
     for (int64_t r0 = 0; r0 < m; r0 += kRowGroup) {
       const int64_t rows_here = std::min(kRowGroup, m - r0);
-      pdserve::parallel_claim(blocks, pdserve::claim_chunk(blocks, rows_here * k * 16), [&](int64_t b0, int64_t b1) {
-        alignas(32) float acc[kRowGroup * 16];
-        for (int64_t b = b0; b < b1; ++b) {
-          const float* wb = w + b * k * 16;
-          for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
-            const int64_t depth = std::min(kDepth, k - k0);
-            const float* xk = xp + r0 * k + k0;
-            int64_t r = 0;
-            for (; r + 6 <= rows_here; r += 6) tile<6>(wb + 16 * k0, depth, xk + r * k, k, acc + 16 * r, k0 == 0);
-            tail_tile(rows_here - r, wb + 16 * k0, depth, xk + r * k, k, acc + 16 * r, k0 == 0);
-          }
-          store(acc, rows_here, bp, op + r0 * n, n, 16 * b);
+      const int64_t unit_work = rows_here * k * 16 * kTileBlocks;
+      pdserve::parallel_claim(units, pdserve::claim_chunk(units, unit_work), [&](int64_t u0, int64_t u1) {
+        alignas(64) float acc[kTileBlocks * kRowGroup * 16];
+        for (int64_t u = u0; u < u1; ++u) {
+          const int64_t b = u * kTileBlocks, here = std::min<int64_t>(kTileBlocks, blocks - b);
+          blocks_group(here, w + b * k * 16, k, xp + r0 * k, rows_here, acc);
+          for (int64_t j = 0; j < here; ++j)
+            store(acc + j * kRowGroup * 16, rows_here, bp, op + r0 * n, n, 16 * (b + j));
         }
       });
     }

@@ -155,12 +155,15 @@ def test_bf16_linear_many_rows_over_column_slices():
     torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=5e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 16, 65, 127, 130])
-@pytest.mark.parametrize("out_features,in_features,bias", [(1000, 256, True), (70, 1408, False), (33, 2048, True)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 65, 127, 130, 520])
+@pytest.mark.parametrize("out_features,in_features,bias",
+                         [(1000, 256, True), (70, 1408, False), (33, 2048, True), (1000, 2048, False)])  # fmt: skip
 def test_fp32_linear_matches_float_matmul(rows, out_features, in_features, bias):
-    """The engine's fp32 linear over its 16-feature blocks: one row, tiles of 6 and 1 to 5 in groups of 64 rows
-    (65, 127 and 130 take two or three) over slices of 256 inputs (1408 and 2048 take several), output features
-    not a multiple of 16 (33: one partial block), bias."""
+    """The engine's fp32 linear over its 16-feature blocks: one row, register tiles and the rows left after them
+    in groups of 64 rows (65, 127 and 130 take two or three) over slices of inputs (1408 and 2048 take several),
+    output features not a multiple of 16 (33: one partial block; 1000 = 62.5 blocks: tiles of 4 blocks and 1 to
+    3 left on AVX-512), bias; on AVX-512 CPUs 520 rows widen the blocks for torch's GEMM, 1000 x 2048 in two
+    slices."""
     if not torch.ops.pdserve.fp32_linear_supported():
         pytest.skip("this build has no AVX2 with FMA")
     g = torch.Generator().manual_seed(rows * out_features)
