@@ -54,6 +54,13 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None] | None  # per row (None where the row did not ask); None if no row asked
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value (last dimension), as ``argmax``: the first among ties, NaN counting as
+    the largest. On the CPU through ``max(dim)``, which torch vectorizes and ``argmax`` does not: 16 x 32000 fp32
+    rows in 134 µs against 397 µs on 2 threads (an Intel Xeon VM), 2-3% of a 60M decode step."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
+
+
 def seeded_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator for one seeded request; seed it once and keep it for the request's life."""
     generator = torch.Generator(device=device)
@@ -93,7 +100,7 @@ class Sampler:
             if len(per_row) != num_rows:
                 raise ValueError(f"{name} has {len(per_row)} rows but logits have {num_rows}")
         if all(p.greedy and not p.uses_penalties and p.logprobs is None for p in params):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).cpu(), logprobs=None)
+            return SamplerOutput(token_ids=row_argmax(logits).cpu(), logprobs=None)
 
         raw_logits = logits.float()  # [B, V]; may alias the caller's tensor: never modified in place
         logits = raw_logits
@@ -101,7 +108,7 @@ class Sampler:
             logits = _penalize(logits, params, prompt_token_ids, output_token_ids)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            token_ids = logits.argmax(dim=-1)  # [B]
+            token_ids = row_argmax(logits)  # [B]
         else:
             token_ids = self._sample(logits, params, generators, greedy)
         logprobs = None
@@ -119,7 +126,7 @@ class Sampler:
         """Token ids `[B]` for a batch mixing greedy and sampled rows; `logits` `[B, V]` float32."""
         vocab_size = logits.shape[1]
         device = logits.device
-        greedy_ids = logits.argmax(dim=-1)  # [B]
+        greedy_ids = row_argmax(logits)  # [B]
 
         # Per-row parameters; greedy rows take cheap neutral values and their samples are discarded.
         sampled = [(p, not g) for p, g in zip(params, greedy)]
@@ -148,7 +155,7 @@ class Sampler:
         # draw does not depend on how many candidates the other rows made the batch keep.
         weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()  # [B, C]
         noise = self._exponential_noise(weights.shape, candidate_ids, generators, greedy, vocab_size, device)
-        choice = (weights / noise).argmax(dim=-1)  # [B]
+        choice = row_argmax(weights / noise)  # [B]
         if candidate_ids is not None:
             choice = candidate_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
         return torch.where(torch.tensor(greedy, device=device), greedy_ids, choice)

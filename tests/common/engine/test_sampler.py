@@ -14,6 +14,7 @@ from common.engine.sampler import (
     apply_min_p,
     apply_penalties,
     mask_top_k_top_p,
+    row_argmax,
     seeded_generator,
     token_counts,
 )
@@ -52,6 +53,22 @@ def test_greedy_fast_path_is_argmax_on_cpu_int64() -> None:
     assert out.token_ids.dtype == torch.int64 and out.token_ids.device.type == "cpu"
     assert torch.equal(out.token_ids, logits.float().argmax(dim=-1))
     assert out.logprobs is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_breaks_ties_and_nans_as_argmax(dtype) -> None:
+    """The sampler's argmax (``max(dim)`` on the CPU) picks what ``argmax`` picks: the first of tied maxima, the
+    first NaN, index 0 of an all -inf row; on many random rows of few distinct values (ties everywhere)."""
+    x = torch.zeros(6, 32000, dtype=dtype)
+    x[:, [100, 20000, 31999]] = 1
+    x[3, [7, 9000]] = float("nan")
+    x[4, 31999] = 2
+    x[5] = -float("inf")
+    assert row_argmax(x).tolist() == x.argmax(dim=-1).tolist() == [100, 100, 100, 7, 31999, 0]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        y = torch.randint(0, 4, (17, 5000), generator=g).to(dtype)
+        assert torch.equal(row_argmax(y), y.argmax(dim=-1))
 
 
 def test_empty_batch() -> None:
