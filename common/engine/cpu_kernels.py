@@ -39,8 +39,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / f
-           for f in ("paged_attention.cpp", "rms_norm.cpp", "bf16_linear.cpp", "fp32_linear.cpp")]  # fmt: skip
-OPS = ("paged_decode_attention", "rms_norm", "bf16_linear", "fp32_linear")
+           for f in ("paged_attention.cpp", "rms_norm.cpp", "bf16_linear.cpp", "fp32_linear.cpp", "activation.cpp")]
+OPS = ("paged_decode_attention", "rms_norm", "bf16_linear", "fp32_linear", "silu_mul")
 PREBUILT_ENV = "PDSERVE_CPU_KERNELS_DIR"
 MANIFEST = "manifest.json"
 _lock = threading.Lock()

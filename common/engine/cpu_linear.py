@@ -37,6 +37,9 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 _SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # RMSNorm classes computing weight * (x / sqrt(mean(x^2) + eps)) in fp32 (Gemma's 1 + weight is not one)
 _LLAMA_STYLE_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+# MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x)), and the SiLU activations transformers gives them
+_GATED_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"})
+_SILUS = frozenset({"SiLUActivation", "SiLU"})
 
 
 class PackedLinear(torch.nn.Module):
@@ -176,6 +179,45 @@ class FusedRMSNorm(torch.nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return torch.nn.functional.rms_norm(x, shape, self.weight, self.eps)
         return self.weight * torch.nn.functional.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
+
+
+class FusedGatedMLP(torch.nn.Module):
+    """A gated SiLU MLP (``down(silu(gate(x)) * up(x))``, Llama/Qwen/Mistral) over its fused gate/up product, the
+    activation one call of the engine's kernel (``torch.ops.pdserve.silu_mul``) instead of a silu and a multiply
+    over two column slices."""
+
+    def __init__(self, gate_up: FusedLinear, down_proj: torch.nn.Module) -> None:
+        super().__init__()
+        self.gate_up = gate_up
+        self.down_proj = down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.ops.pdserve.silu_mul(self.gate_up.linear(x)))
+
+
+def fuse_gated_mlps(model: torch.nn.Module) -> int:
+    """Replace each gated SiLU MLP whose gate and up projections were fused (:func:`pack_linear_layers`) by a
+    :class:`FusedGatedMLP` whose output matches it on a random input; returns how many. Needs the engine's CPU
+    kernels (the caller checked that they loaded)."""
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            gate, up = getattr(child, "gate_proj", None), getattr(child, "up_proj", None)
+            if (type(child).__name__ not in _GATED_MLPS or type(getattr(child, "act_fn", None)).__name__ not in _SILUS
+                    or not isinstance(gate, LinearSlice) or not isinstance(up, LinearSlice)
+                    or gate._fused[0] is not up._fused[0] or (gate.index, up.index) != (0, 1)
+                    or len(gate._fused[0].bounds) != 2):  # fmt: skip
+                continue
+            fused = FusedGatedMLP(gate._fused[0], child.down_proj)
+            with torch.inference_mode():
+                x = torch.randn(3, gate.in_features, dtype=gate._fused[0].linear.weight.dtype)
+                tol = 1e-4 if x.dtype == torch.float32 else 2e-2
+                if not torch.allclose(fused(x).float(), child(x).float(), rtol=tol, atol=tol):
+                    log.warning("keeping %s for %s: fused result differs", type(child).__name__, name)
+                    continue
+            setattr(parent, name, fused)
+            done += 1
+    return done
 
 
 def fuse_rms_norms(model: torch.nn.Module, kernel: bool = False) -> int:

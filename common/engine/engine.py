@@ -31,7 +31,7 @@ from common.engine import attention, cpu_kernels
 from common.engine.block_pool import BlockPool, NoFreeBlocksError
 from common.engine.config import EngineConfig
 from common.engine.counters import EngineCounters, RequestTimings
-from common.engine.cpu_linear import fuse_rms_norms, pack_linear_layers, packing_supported
+from common.engine.cpu_linear import fuse_gated_mlps, fuse_rms_norms, pack_linear_layers, packing_supported
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.disagg import KVHandoffMixin
 from common.engine.kv_cache import KVCacheSpec, PagedKVCache
@@ -103,6 +103,8 @@ class LLMEngine(KVHandoffMixin):
         if config.cpu_packed_linear and packing_supported(loaded.dtype, self.device) and tp is None:
             pack_linear_layers(loaded.model, kernel=kernels)
             fuse_rms_norms(loaded.model, kernel=kernels)
+            if kernels:
+                fuse_gated_mlps(loaded.model)
         self.block_pool = BlockPool(num_blocks)
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels)

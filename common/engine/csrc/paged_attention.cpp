@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "exp.h"
 #include "parallel.h"
 
 #include <algorithm>
@@ -29,29 +30,9 @@
 
 namespace {
 
+using pdserve::exp_nonpositive;
 using pdserve::round_to;
 using pdserve::to_float;
-
-// exp(x) for x <= 0 (softmax after subtracting the maximum), within 2 ulp, in plain arithmetic that the
-// compiler vectorizes (std::exp is a scalar libm call: a third of the kernel's time).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);                                  // below: the result is under float's smallest normal
-  // x = n ln2 + r, |r| <= ln2 / 2; n rounded to nearest by the 1.5 * 2^23 trick (nearbyint does not vectorize)
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  float r = x - n * 0.693145751953125f;                    // ln2 in two parts, exact products
-  r -= n * 1.428606765330187045e-06f;
-  float p = 1.9875691500e-4f;                              // Cephes' expf polynomial
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // Asks for the rows of a block two ahead of the one being read: blocks are scattered, and a miss at each
 // block's start (the hardware prefetcher stops at a jump) cost more than the arithmetic.

@@ -1,8 +1,9 @@
 """The engine's CPU kernels. Decode attention against attention computed in float64 from the same cache:
 scattered blocks, lengths on and across block edges, grouped-query heads, sliding windows, head sizes with
 and without a specialised build, fp32 and bf16 (queries and cache of either), strided queries; bad
-arguments raise instead of reading out of bounds. RMSNorm against transformers' own ``LlamaRMSNorm``.
-Without the kernels the engine keeps its PyTorch paths; prebuilt kernels load where no compiler is."""
+arguments raise instead of reading out of bounds. RMSNorm against transformers' own ``LlamaRMSNorm``, the
+gated MLP's silu(gate) * up against PyTorch's, the linear layers against float matmuls. Without the kernels
+the engine keeps its PyTorch paths; prebuilt kernels load where no compiler is."""
 
 from __future__ import annotations
 
@@ -116,6 +117,28 @@ def test_rms_norm_matches_transformers(dtype, shape):
     else:  # the same roundings; only the sum of squares may add in another order
         assert (got == expected).float().mean() > 0.99
         torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_silu_mul_matches_pytorch(dtype, rows):
+    """silu(gate) * up from the fused [rows, 2I] product (and a strided view of one): bf16 bit for bit (the same
+    two roundings), fp32 within exp's ulps; gates at the extremes (0, +-100, +-1e-30, 88, inf, NaN) as PyTorch
+    gives them."""
+    g = torch.Generator().manual_seed(rows)
+    gu = (torch.randn(rows, 2 * 1408, generator=g) * 4).to(dtype)
+    gu[0, :8] = torch.tensor([0.0, 100.0, -100.0, 1e-30, -1e-30, 88.0, float("inf"), float("nan")])
+    expected = torch.nn.functional.silu(gu[:, :1408]) * gu[:, 1408:]
+    got = torch.ops.pdserve.silu_mul(gu)
+    strided = torch.ops.pdserve.silu_mul(torch.cat([gu, gu], -1)[:, : 2 * 1408])
+    assert got.dtype == dtype and got.shape == (rows, 1408)
+    torch.testing.assert_close(strided, got, rtol=0, atol=0, equal_nan=True)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, equal_nan=True)
+    with pytest.raises(RuntimeError, match=r"\[\.\.\., 2I\]"):
+        torch.ops.pdserve.silu_mul(gu[:, :-1])
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 16, 17, 300])

@@ -1,8 +1,8 @@
-"""The engine's CPU fast paths keep stock ``generate``'s output: fused sibling projections and RMSNorms, decode
-attention by the engine's CPU kernel (read in place from the paged cache) or, without it, a lone stream's
-attention read in place from consecutive blocks, a whole prompt attending to its own K/V (``is_causal``), with
-and without a sliding window; each path is shown to be taken, and refused where its condition fails (blocks
-out of order, a prompt continuing a cached prefix)."""
+"""The engine's CPU fast paths keep stock ``generate``'s output: fused sibling projections, RMSNorms and gated
+MLPs, decode attention by the engine's CPU kernel (read in place from the paged cache) or, without it, a lone
+stream's attention read in place from consecutive blocks, a whole prompt attending to its own K/V
+(``is_causal``), with and without a sliding window; each path is shown to be taken, and refused where its
+condition fails (blocks out of order, a prompt continuing a cached prefix)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 import common.engine.attention as attention
 from common.engine import cpu_kernels
-from common.engine.cpu_linear import FusedLinear, FusedRMSNorm, LinearSlice
+from common.engine.cpu_linear import FusedGatedMLP, FusedLinear, FusedRMSNorm, LinearSlice
 from common.engine.sampling_params import SamplingParams
 from tests.common.engine.test_engine_oracle import GREEDY, make_engine, make_prompts
 from tests.conftest import hf_greedy
@@ -59,7 +59,9 @@ def test_fused_layers_one_stream_at_a_time(arch, kernel, tiny_model_dir, hf_refe
     modules = list(engine.loaded.model.modules())
     layers = engine.kv_spec.num_layers
     assert sum(isinstance(m, FusedLinear) for m in modules) == 2 * layers  # q/k/v and gate/up of every layer
-    assert sum(isinstance(m, LinearSlice) for m in modules) == 5 * layers
+    # with the kernels, each MLP is one FusedGatedMLP (gate/up product, pdserve::silu_mul, down) without slices
+    assert sum(isinstance(m, FusedGatedMLP) for m in modules) == (layers if kernel else 0)
+    assert sum(isinstance(m, LinearSlice) for m in modules) == (3 if kernel else 5) * layers
     assert sum(isinstance(m, FusedRMSNorm) for m in modules) == 2 * layers + 1
     assert all(m.kernel == kernel for m in modules if isinstance(m, FusedRMSNorm))  # pdserve::rms_norm or F.rms_norm
     reference = hf_reference(d)

@@ -1,0 +1,74 @@
+// The gated MLP's activation in one pass: out = silu(gate) * up, from the fused gate/up projection's output
+// [rows, 2I] (gate in columns [0, I), up in [I, 2I)) to [rows, I], fp32 or bf16.
+//
+// PyTorch runs it as a silu and a multiply over two column slices: on bf16 both are scalar conversion loops
+// (a 16 x 2816 silu took 134 us and the multiply about as long on a 2-core Xeon: 8% of a 0.35B model's decode
+// step). The roundings match transformers' bf16 path: silu computed in float and rounded to the dtype, then the
+// product computed in float and rounded again.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "bf16.h"
+#include "exp.h"
+#include "parallel.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+using pdserve::exp_nonpositive;
+using pdserve::round_to;
+using pdserve::to_float;
+
+// silu(x) = x / (1 + exp(-x)); for x < 0 as x e^x / (1 + e^x), so exp only ever sees -|x| (no overflow).
+// Below -87 (where exp_nonpositive stops) -0, as PyTorch's x / (1 + exp(-x)) gives once exp overflows.
+inline float silu(float x) {
+  const float e = exp_nonpositive(-std::fabs(x));
+  return x < -87.f ? -0.f : (x >= 0.f ? x : x * e) / (1.f + e);
+}
+
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t n, int64_t stride) {
+  // about 64K elements a chunk: a decode batch stays on the calling thread, prefill spreads over the threads
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, n));
+  pdserve::parallel_claim(rows, chunk, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gu + r * stride;
+      const T* u = g + n;
+      T* o = out + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = round_to<T>(to_float(round_to<T>(silu(to_float(g[i])))) * to_float(u[i]));
+    }
+  });
+}
+
+// gu [..., 2I] (rows contiguous in the last dimension) -> [..., I]
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.device().is_cpu() && gu.dim() >= 1 && gu.size(-1) % 2 == 0,
+              "pdserve::silu_mul takes a CPU tensor [..., 2I], got ", gu.sizes(), " on ", gu.device());
+  const int64_t n = gu.size(-1) / 2;
+  at::Tensor rows = gu.reshape({-1, 2 * n});  // a view where the strides allow it
+  if (rows.stride(1) != 1) rows = rows.contiguous();
+  at::Tensor out = at::empty({rows.size(0), n}, gu.options());
+  if (gu.scalar_type() == at::kFloat) {
+    silu_mul_rows(rows.data_ptr<float>(), out.data_ptr<float>(), rows.size(0), n, rows.stride(0));
+  } else if (gu.scalar_type() == at::kBFloat16) {
+    silu_mul_rows(rows.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows.size(0), n, rows.stride(0));
+  } else {
+    TORCH_CHECK(false, "pdserve::silu_mul supports float32 and bfloat16, got ", gu.scalar_type());
+  }
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = n;
+  return out.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+}
