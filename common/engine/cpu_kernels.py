@@ -13,10 +13,10 @@ returns False once with a warning and the engine keeps its pure-PyTorch paths, w
 
 Machines without a compiler (the container images) use prebuilt libraries instead:
 ``python -m common.engine.cpu_kernels --prebuild DIR`` compiles one library per instruction-set level
-(:data:`VARIANTS`: x86-64-v4 with AVX512-BF16, x86-64-v3 = AVX2 + FMA, baseline x86-64; on ARM, armv8-a) with a
-manifest naming the CPU flags each needs and the torch it was built against, and :func:`load`, given that folder
-in ``PDSERVE_CPU_KERNELS_DIR``, loads the best variant this CPU can run (no compiler needed) before it would
-compile anything.
+(:data:`VARIANTS`: x86-64-v4 with AVX512-BF16 and AMX, the same without AMX, x86-64-v3 = AVX2 + FMA, baseline
+x86-64; on ARM, armv8-a) with a manifest naming the CPU flags each needs and the torch it was built against, and
+:func:`load`, given that folder in ``PDSERVE_CPU_KERNELS_DIR``, loads the best variant this CPU can run (no
+compiler needed) before it would compile anything.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / f
-           for f in ("paged_attention.cpp", "rms_norm.cpp", "bf16_linear.cpp", "fp32_linear.cpp", "activation.cpp")]
-OPS = ("paged_decode_attention", "rms_norm", "bf16_linear", "fp32_linear", "silu_mul")
+           for f in ("paged_attention.cpp", "rms_norm.cpp", "bf16_linear.cpp", "bf16_amx.cpp", "fp32_linear.cpp",
+                     "activation.cpp")]  # fmt: skip
+OPS = ("paged_decode_attention", "rms_norm", "bf16_linear", "bf16_linear_amx", "fp32_linear", "silu_mul")
 PREBUILT_ENV = "PDSERVE_CPU_KERNELS_DIR"
 MANIFEST = "manifest.json"
 _lock = threading.Lock()
@@ -52,6 +53,8 @@ _X86_V3 = frozenset({"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "sse
 # (name, compiler flags, CPU flags the build may use), best first; a machine runs the first whose flags it has.
 VARIANTS: dict[str, tuple[tuple[str, tuple[str, ...], frozenset[str]], ...]] = {
     "x86_64": (
+        ("x86-64-v4-amx", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+         _X86_V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16", "amx_tile", "amx_bf16"}),
         ("x86-64-v4-bf16", ("-march=x86-64-v4", "-mavx512bf16"),
          _X86_V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16"}),
         ("x86-64-v3", ("-march=x86-64-v3",), _X86_V3),

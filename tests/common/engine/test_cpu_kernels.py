@@ -178,6 +178,29 @@ def test_bf16_linear_many_rows_over_column_slices():
     torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=5e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 130, 520])
+@pytest.mark.parametrize("out_features,in_features,bias", [(1000, 1024, True), (70, 64, False), (2048, 2816, True)])
+def test_bf16_amx_linear_matches_float_matmul(rows, out_features, in_features, bias):
+    """The AMX kernel over the pair packing: one A tile (1-16 rows) or several (17, 33: a partial last one, 130),
+    groups of three blocks and the one or two left (70 = 4.4 blocks: 5 used of the 6 packed), bias; from 512 rows
+    (520) the slices widened for torch's GEMM (bias added before its one rounding). Results within bf16's
+    rounding of the float product; input sizes not a multiple of 32 refused."""
+    if not torch.ops.pdserve.bf16_amx_supported():
+        pytest.skip("this build or CPU has no AMX-BF16")
+    g = torch.Generator().manual_seed(rows * out_features)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    packed = torch.ops.pdserve.pack_bf16_pairs(w)
+    got = torch.ops.pdserve.bf16_linear_amx(x.view(1, rows, -1), packed, None if b is None else b.float(), out_features)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, rows, out_features)
+    expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(got[0].float(), expected, rtol=2**-7, atol=2 ** -7 * expected.abs().max().item())
+    with pytest.raises(RuntimeError, match="a multiple of 32 needed"):
+        w48 = torch.ops.pdserve.pack_bf16_pairs(torch.randn(16, 48).bfloat16())
+        torch.ops.pdserve.bf16_linear_amx(torch.randn(1, 48).bfloat16(), w48, None, 16)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 65, 127, 130, 520])
 @pytest.mark.parametrize("out_features,in_features,bias",
                          [(1000, 256, True), (70, 1408, False), (33, 2048, True), (1000, 2048, False)])  # fmt: skip

@@ -177,8 +177,8 @@ def next_logits_and_stock(engine: LLMEngine, reference, scheduled) -> list[tuple
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "pytorch"])
 def test_bf16_decode_logits_close_to_stock_bf16(tiny_model_dir, kernels):
     """Decode steps of a bf16 batch (the engine's CPU kernels: bf16 linear layers in its own packing where the CPU
-    has AVX512-BF16 or AVX2, decode attention, RMSNorm; or the PyTorch paths) stay within bf16 rounding of stock
-    bf16."""
+    has AMX, AVX512-BF16 or AVX2, decode attention, RMSNorm; or the PyTorch paths) stay within bf16 rounding of
+    stock bf16."""
     from transformers import AutoModelForCausalLM
 
     from common.engine import cpu_kernels
@@ -189,7 +189,8 @@ def test_bf16_decode_logits_close_to_stock_bf16(tiny_model_dir, kernels):
     d = tiny_model_dir("llama")
     engine = LLMEngine(load_model(d, dtype="bfloat16"), EngineConfig(cpu_kernels=kernels))
     packed = [m for m in engine.loaded.model.modules() if isinstance(m, PackedLinear)]
-    own = kernels and bool(torch.ops.pdserve.bf16_linear_supported()) and "amx_bf16" not in cpu_kernels.cpu_flags()
+    amx = "amx_bf16" in cpu_kernels.cpu_flags()
+    own = kernels and bool(torch.ops.pdserve.bf16_amx_supported() if amx else torch.ops.pdserve.bf16_linear_supported())
     # without the kernel, a CPU where oneDNN has no bf16 packing (AVX2 only) keeps the stock layers
     assert all(m.own == own for m in packed) and (packed or not own)
     reference = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
