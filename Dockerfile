@@ -39,8 +39,9 @@ RUN python -m venv /opt/venv \
         --index-url https://download.pytorch.org/whl/cpu
 COPY --from=wheel /wheels /wheels
 RUN /opt/venv/bin/pip install --no-cache-dir /wheels/*.whl
-# The engine's CPU kernels, one library per instruction-set level (x86-64-v4 + AVX512-BF16, v3, baseline): the
-# runtime images carry no compiler, so the workers load the best variant their CPU runs (PDSERVE_CPU_KERNELS_DIR).
+# The engine's CPU kernels, one library per instruction-set level (x86-64-v4 + AVX512-BF16 with and without AMX, v3,
+# baseline): the runtime images carry no compiler, so the workers load the best variant their CPU runs
+# (PDSERVE_CPU_KERNELS_DIR).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
     && /opt/venv/bin/python -m common.engine.cpu_kernels --prebuild /opt/venv/share/pdserve-cpu-kernels
 
