@@ -13,9 +13,33 @@ built once per step (:meth:`write_index`, :meth:`gather_index`) and used by ever
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 
 import torch
+
+HUGE_PAGES = True  # tests and benchmarks switch it off to compare
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back the whole 2 MiB pages inside a CPU tensor's memory with transparent huge pages
+    (``madvise(MADV_HUGEPAGE)``; honoured where ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or
+    ``always``; with ``never`` the advice is accepted and changes nothing). Call it before the memory is first
+    written. True when ``madvise`` accepted it."""
+    if not HUGE_PAGES or t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    lo, hi = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    if hi <= lo:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -49,8 +73,12 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         h, bs, d = spec.num_kv_heads, spec.block_size, spec.head_dim
         # Zeroed, not empty: masked-out slots (block tails, padding) still enter the attention matmuls, and
-        # uninitialised memory may hold NaN bit patterns, which a zero attention weight does not cancel.
-        self.data = torch.zeros((spec.num_layers, 2, h, num_blocks, bs, d), dtype=spec.dtype, device=device)
+        # uninitialised memory may hold NaN bit patterns, which a zero attention weight does not cancel. On the
+        # CPU the memory is first asked for huge pages (before the zeroing touches it): a sequence's blocks lie
+        # anywhere in the cache, and with 4 KiB pages nearly every block read missed the TLB.
+        self.data = torch.empty((spec.num_layers, 2, h, num_blocks, bs, d), dtype=spec.dtype, device=device)
+        self.huge_pages = advise_huge_pages(self.data)
+        self.data.zero_()
         self._by_block = self.data.view(spec.num_layers, 2 * h * num_blocks, bs, d)
         self._by_slot = self.data.view(spec.num_layers, 2 * h * num_blocks * bs, d)
         # offset of (K|V, head) planes, in blocks: [2*H]

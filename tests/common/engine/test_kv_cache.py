@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.engine import kv_cache
 from common.engine.kv_cache import KVCacheSpec, PagedKVCache
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=3, dtype=torch.float32)
@@ -28,3 +32,34 @@ def test_write_then_read_blocks_round_trips_and_touches_nothing_else(order, n, l
     untouched[block_ids] = False
     assert torch.equal(cache.data[:, :, :, untouched], before[:, :, :, untouched])
     assert torch.equal(cache.data[1 - layer], before[1 - layer])
+
+
+def _anon_huge_kib(address: int) -> int | None:
+    """AnonHugePages (KiB) of this process's mapping that holds ``address``, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
+def test_cpu_cache_memory_is_on_huge_pages_where_the_system_allows():
+    """The cache's memory is advised onto transparent huge pages before it is zeroed: with THP in ``madvise`` or
+    ``always`` mode its mapping holds huge pages; switched off (the module flag), it is still zeroed."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages on this system")
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+    cache = PagedKVCache(spec, num_blocks=1024)  # 16 MiB
+    assert cache.huge_pages and bool((cache.data == 0).all())
+    assert (_anon_huge_kib(cache.data.data_ptr() + cache.data.numel() * 2) or 0) >= 2048
+    kv_cache.HUGE_PAGES = False
+    try:
+        plain = PagedKVCache(spec, num_blocks=64)
+    finally:
+        kv_cache.HUGE_PAGES = True
+    assert not plain.huge_pages and bool((plain.data == 0).all())
