@@ -14,12 +14,15 @@ built once per step (:meth:`write_index`, :meth:`gather_index`) and used by ever
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from dataclasses import dataclass
 
 import torch
 
-HUGE_PAGES = True  # tests and benchmarks switch it off to compare
+# PDSERVE_KV_HUGE_PAGES=0 keeps 4 KiB pages (a fragmented machine compacts memory at the first fault-in: a
+# slower start); tests and benchmarks switch it off to compare
+HUGE_PAGES = os.environ.get("PDSERVE_KV_HUGE_PAGES", "1") != "0"
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 

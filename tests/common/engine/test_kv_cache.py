@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +66,15 @@ def test_cpu_cache_memory_is_on_huge_pages_where_the_system_allows():
     finally:
         kv_cache.HUGE_PAGES = True
     assert not plain.huge_pages and bool((plain.data == 0).all())
+
+
+def test_huge_pages_can_be_turned_off_by_environment():
+    """``PDSERVE_KV_HUGE_PAGES=0``: a worker's cache keeps 4 KiB pages (no advice asked)."""
+    code = ("import torch\nfrom common.engine.kv_cache import KVCacheSpec, PagedKVCache\n"
+            "spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32)\n"
+            "print(PagedKVCache(spec, num_blocks=4096).huge_pages)\n")  # fmt: skip
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, PDSERVE_KV_HUGE_PAGES=value)
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip() == expected
