@@ -216,16 +216,22 @@ def fuse_gated_mlps(model: torch.nn.Module) -> int:
                     or gate._fused[0] is not up._fused[0] or (gate.index, up.index) != (0, 1)
                     or len(gate._fused[0].bounds) != 2):  # fmt: skip
                 continue
+            x = torch.randn(3, gate.in_features, dtype=gate._fused[0].linear.weight.dtype)
             fused = FusedGatedMLP(gate._fused[0], child.down_proj)
-            with torch.inference_mode():
-                x = torch.randn(3, gate.in_features, dtype=gate._fused[0].linear.weight.dtype)
-                tol = 1e-4 if x.dtype == torch.float32 else 2e-2
-                if not torch.allclose(fused(x).float(), child(x).float(), rtol=tol, atol=tol):
-                    log.warning("keeping %s for %s: fused result differs", type(child).__name__, name)
-                    continue
-            setattr(parent, name, fused)
-            done += 1
+            done += _swap_if_equal(parent, name, child, fused, x, tol=1e-4 if x.dtype == torch.float32 else 2e-2)
     return done
+
+
+def _swap_if_equal(parent: torch.nn.Module, name: str, child: torch.nn.Module, fused: torch.nn.Module,
+                   x: torch.Tensor, tol: float) -> bool:
+    """Put ``fused`` in ``child``'s place under ``parent`` if both give the same output on ``x`` (within ``tol``);
+    else log and keep ``child``."""
+    with torch.inference_mode():
+        if not torch.allclose(fused(x).float(), child(x).float(), rtol=tol, atol=tol):
+            log.warning("keeping %s for %s: fused result differs", type(child).__name__, name)
+            return False
+    setattr(parent, name, fused)
+    return True
 
 
 def fuse_rms_norms(model: torch.nn.Module, kernel: bool = False) -> int:
@@ -237,15 +243,9 @@ def fuse_rms_norms(model: torch.nn.Module, kernel: bool = False) -> int:
         for name, child in list(parent.named_children()):
             if type(child).__name__ not in _LLAMA_STYLE_NORMS or not hasattr(child, "variance_epsilon"):
                 continue
+            x = torch.randn(3, child.weight.shape[-1], dtype=child.weight.dtype, device=child.weight.device)
             fused = FusedRMSNorm(child, kernel=kernel)
-            with torch.inference_mode():
-                x = torch.randn(3, child.weight.shape[-1], dtype=child.weight.dtype, device=child.weight.device)
-                tol = 1e-5 if x.dtype == torch.float32 else 1e-2
-                if not torch.allclose(fused(x).float(), child(x).float(), rtol=tol, atol=tol):
-                    log.warning("keeping %s for %s: fused result differs", type(child).__name__, name)
-                    continue
-            setattr(parent, name, fused)
-            done += 1
+            done += _swap_if_equal(parent, name, child, fused, x, tol=1e-5 if x.dtype == torch.float32 else 1e-2)
     return done
 
 

@@ -84,13 +84,6 @@ void tile_pass(const c10::BFloat16* x, int64_t x_stride, const uint8_t* wb, int6
   if (count > 2) _tile_stored(2, acc + 512, 64);
 }
 
-void store_rows(const float* acc, int64_t rows, const float* bias, c10::BFloat16* out, int64_t n, int64_t col) {
-  const int64_t width = std::min<int64_t>(16, n - col);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < width; ++j)
-      out[r * n + col + j] = pdserve::round_to<c10::BFloat16>(acc[16 * r + j] + (bias ? bias[col + j] : 0.f));
-}
-
 // Columns of blocks [b0, b1) as plain bf16 [K, (b1 - b0) * 16], row-major: each 64-byte pair vector (16
 // features x even, odd input) split by one permute into its even and odd inputs' rows.
 void unpack_plain(const uint16_t* w, int64_t kp_count, int64_t b0, int64_t b1, uint16_t* dst) {
@@ -139,21 +132,10 @@ at::Tensor bf16_linear_amx(const at::Tensor& x, const at::Tensor& packed, const 
   const float* bp = call.bias_ptr();
   const int64_t used = (n + 15) / 16;  // blocks past n are padding
   if (m >= kWidenRows) {
-    const int64_t slice = std::max<int64_t>(1, (4 << 20) / (2 * 16 * k));  // blocks in ~4 MiB of bf16
-    thread_local at::Tensor wide;
-    if (!wide.defined() || wide.numel() < k * std::min(slice, used) * 16)
-      wide = at::empty({k * std::min(slice, used) * 16}, call.rows.options());
     const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-    for (int64_t b0 = 0; b0 < used; b0 += slice) {
-      const int64_t b1 = std::min(used, b0 + slice), c0 = b0 * 16, c1 = std::min(n, b1 * 16);
-      at::Tensor wslice = wide.narrow(0, 0, k * (b1 - b0) * 16).view({k, (b1 - b0) * 16});
-      unpack_plain(w, kp_count, b0, b1, reinterpret_cast<uint16_t*>(wslice.data_ptr()));
-      at::Tensor dest = call.out.narrow(1, c0, c1 - c0);  // rows n apart: the GEMM writes it in place
-      if (bp)  // the bias (bf16 in the checkpoint, so exact in bf16) added before the one rounding
-        at::addmm_out(dest, call.bias.narrow(0, c0, c1 - c0).to(at::kBFloat16), call.rows, wslice.narrow(1, 0, c1 - c0));
-      else
-        at::mm_out(dest, call.rows, wslice.narrow(1, 0, c1 - c0));
-    }
+    pdserve::widened_gemm(call, used, [&](int64_t b0, int64_t b1, void* dst) {
+      unpack_plain(w, kp_count, b0, b1, static_cast<uint16_t*>(dst));
+    });
     return call.out.view(call.shape);
   }
   const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr());
@@ -168,7 +150,7 @@ at::Tensor bf16_linear_amx(const at::Tensor& x, const at::Tensor& packed, const 
         const int rows = static_cast<int>(std::min<int64_t>(16, m - r0));
         if (rows != configured) configure(rows), configured = rows;
         tile_pass(xp + r0 * k, k, w + b * kp_count * 64, kp_count, count, acc);
-        for (int j = 0; j < count; ++j) store_rows(acc + 256 * j, rows, bp, op + r0 * n, n, 16 * (b + j));
+        for (int j = 0; j < count; ++j) pdserve::store_block(acc + 256 * j, rows, bp, op + r0 * n, n, 16 * (b + j));
       }
     }
     if (configured) _tile_release();

@@ -190,21 +190,12 @@ inline void row_avx2(const __m256i* w, int64_t kp_count, const float* x, float* 
   _mm256_storeu_ps(acc_out + 8, hi);
 }
 
-// rows x 16 float sums (stride 16) -> bf16 output columns [col, min(col + 16, n)), bias added first.
-inline void store_block(const float* acc, int rows, const float* bias, c10::BFloat16* out, int64_t out_stride,
-                        int64_t col, int64_t n) {
-  const int64_t width = std::min<int64_t>(16, n - col);
-  for (int r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < width; ++j)
-      out[r * out_stride + col + j] = pdserve::round_to<c10::BFloat16>(acc[16 * r + j] + (bias ? bias[col + j] : 0.f));
-}
-
 template <int R>
 inline void rows_avx2(const __m256i* w, int64_t kp_count, const float* x, int64_t k, const float* bias,
                       c10::BFloat16* out, int64_t n, int64_t col) {
   alignas(32) float acc[16 * R];
   tile_avx2<R>(w, kp_count, x, k, acc);
-  store_block(acc, R, bias, out, n, col, n);
+  pdserve::store_block(acc, R, bias, out, n, col);
 }
 
 // Columns [c0, c1) of the packed weight as floats laid out [K, c1 - c0] (c0 a multiple of 16; the last block may
@@ -264,7 +255,7 @@ void linear_avx2(const at::Tensor& rows, const __m256i* w, int64_t kp_count, con
       alignas(32) float acc[16];
       for (int64_t b = b0; b < b1; ++b) {
         row_avx2(w + 2 * b * kp_count, kp_count, x, acc);
-        store_block(acc, 1, bias, op, n, 16 * b, n);
+        pdserve::store_block(acc, 1, bias, op, n, 16 * b);
       }
     });
     return;

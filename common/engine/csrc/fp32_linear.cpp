@@ -200,13 +200,6 @@ inline void unpack_blocks(const float* w, int64_t k, int64_t b0, int64_t b1, int
     for (int64_t i = i0; i < i1; ++i) std::copy_n(w + (b * k + i) * 16, 16, out + i * stride + (b - b0) * 16);
 }
 
-// rows x 16 sums (16 apart) -> output columns [col, min(col + 16, n)), bias added.
-inline void store(const float* acc, int64_t rows, const float* bias, float* out, int64_t n, int64_t col) {
-  const int64_t width = std::min<int64_t>(16, n - col);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < width; ++j) out[r * n + col + j] = acc[16 * r + j] + (bias ? bias[col + j] : 0.f);
-}
-
 #endif
 
 // x [..., K] float, packed from pack_fp32_blocks, bias [N] float or None -> [..., N] float.
@@ -234,28 +227,16 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const std:
       alignas(64) float acc[16];
       for (int64_t b = b0; b < b1; ++b) {
         row(w + b * k * 16, k, xp, acc);
-        store(acc, 1, bp, op, n, 16 * b);
+        pdserve::store_block(acc, 1, bp, op, n, 16 * b);
       }
     });
   } else if (m >= kWidenRows) {
-    // many rows (prefill): a slice of blocks (~4 MiB) widened to w^T's columns, then torch's GEMM; the copy
-    // costs K x 16 x 4 bytes written per block against m x K x 16 multiply-adds
-    const int64_t slice = std::max<int64_t>(1, (4 << 20) / (4 * 16 * k));  // blocks
-    // kept between calls (a calling thread's ~4 MiB): a fresh one costs a page fault per 4 KiB every call
-    thread_local at::Tensor wide;
-    if (!wide.defined() || wide.numel() < k * std::min(slice, blocks) * 16)
-      wide = at::empty({k * std::min(slice, blocks) * 16}, call.rows.options());
-    for (int64_t b0 = 0; b0 < blocks; b0 += slice) {
-      const int64_t b1 = std::min(blocks, b0 + slice), c0 = b0 * 16, c1 = std::min(n, b1 * 16);
-      at::Tensor wslice = wide.narrow(0, 0, k * (b1 - b0) * 16).view({k, (b1 - b0) * 16});
-      float* ws = wslice.data_ptr<float>();
+    pdserve::widened_gemm(call, blocks, [&](int64_t b0, int64_t b1, void* dst) {
+      float* ws = static_cast<float*>(dst);
       at::parallel_for(0, k, 16, [&](int64_t i0, int64_t i1) {  // 16 inputs a turn: a KiB read from each block
         for (int64_t i = i0; i < i1; i += 16) unpack_blocks(w, k, b0, b1, i, std::min(i1, i + 16), ws);
       });
-      at::Tensor dest = call.out.narrow(1, c0, c1 - c0);  // rows n apart: the GEMM writes it in place
-      at::mm_out(dest, call.rows, wslice.narrow(1, 0, c1 - c0));
-      if (bp) dest.add_(call.bias.narrow(0, c0, c1 - c0));
-    }
+    });
   } else {
     // row groups outer: a group's rows of x (64 x K floats) stay in L2 while the blocks' weights stream past;
     // the threads claim tiles of kTileBlocks blocks
@@ -269,7 +250,7 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const std:
           const int64_t b = u * kTileBlocks, here = std::min<int64_t>(kTileBlocks, blocks - b);
           blocks_group(here, w + b * k * 16, k, xp + r0 * k, rows_here, acc);
           for (int64_t j = 0; j < here; ++j)
-            store(acc + j * kRowGroup * 16, rows_here, bp, op + r0 * n, n, 16 * (b + j));
+            pdserve::store_block(acc + j * kRowGroup * 16, rows_here, bp, op + r0 * n, n, 16 * (b + j));
         }
       });
     }
