@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from common.engine.kv_cache import KVCacheSpec
+from common.engine.omp_teams import run_serially
 from common.kv_transfer.connector import KVReceiver, KVSender, TransferResult, TransferState
 from common.kv_transfer.wire import (
     ALIGN_BYTES,
@@ -244,6 +245,7 @@ class ShmKVSender(KVSender):
     # -- the writer thread --------------------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        run_serially()  # copies KV beside the engine's step: no OpenMP team of its own
         while (item := self._queue.get()) is not None:
             if isinstance(item, _Abort):
                 self._send({"op": "abort", "request_id": item.request_id})
@@ -291,6 +293,7 @@ class ShmKVSender(KVSender):
     # -- the reader thread --------------------------------------------------------------------------------------
 
     def _read_loop(self) -> None:
+        run_serially()
         while True:
             try:
                 data = self._sock.recv(_MAX_MESSAGE_BYTES)
@@ -504,6 +507,7 @@ class ShmKVReceiver(KVReceiver):
             pass  # closed, or full: a wake-up is pending anyway
 
     def _loop(self) -> None:
+        run_serially()  # writes KV beside the engine's step: no OpenMP team of its own
         try:
             while not self._closed:
                 for key, _ in self._selector.select(self._next_timeout_s()):

@@ -34,6 +34,7 @@ import torch
 from common.engine.block_pool import NoFreeBlocksError
 from common.engine.engine_loop import EngineLoop, RequestStream, StreamClosed
 from common.engine.identity import ModelIdentity
+from common.engine.omp_teams import run_serially
 from common.kv_transfer.connector import KVReceiver, TransferState
 from common.kv_transfer.grpc_transport import chunk_of_push_kv_request, size_of_probe_link_request
 from common.kv_transfer.wire import TransferAssembler, WireFormatError, decode_header, header_size_bytes
@@ -247,6 +248,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     def _apply_chunks(self, work: queue.Queue, outcome: _PushOutcome) -> None:
         """Check and write queued chunks until None; the first failure is recorded and the rest drained."""
+        run_serially()  # writes KV beside the engine's step: no OpenMP team of its own
         while (chunk := work.get()) is not None:
             if outcome.error is None:
                 outcome.error = self._apply_chunk(chunk, outcome)

@@ -34,6 +34,7 @@ from common.engine.engine_loop import EngineLoop
 from common.engine.identity import ModelIdentity
 from common.engine.kv_tiers import KVTiers, RedisKVStore
 from common.engine.loader import load_model
+from common.engine.omp_teams import release_team
 from common.http.server import HttpFront
 from common.metrics.gpu import GpuMonitor
 from common.metrics.worker import WorkerMetrics
@@ -166,6 +167,8 @@ def serve_worker(
         metrics = WorkerMetrics(role, lambda: loop.stats, lambda: heartbeater is not None and heartbeater.connected,
                                 gpu=gpu)
         loop = EngineLoop(engine, name=f"{role}-engine", on_request_finished=metrics.observe_request).start()
+        release_team()  # the engine steps on the loop's thread now: this one's OpenMP team (loading) would only
+        # make libgomp put the step's idle threads to sleep (see common.engine.omp_teams)
         tracing = Tracing(f"pdserve-{role}", config.otlp_endpoint)
         parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
         # a thread for every request the worker may hold (a Prefill call or a PushKv stream holds one until its
