@@ -34,6 +34,7 @@ from common.engine.counters import EngineCounters, RequestTimings
 from common.engine.cpu_linear import fuse_gated_mlps, fuse_rms_norms, pack_linear_layers, packing_supported
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.engine.disagg import KVHandoffMixin
+from common.engine.fused_attention import fuse_rope_attention
 from common.engine.kv_cache import KVCacheSpec, PagedKVCache
 from common.engine.kv_tiers import KVTiers
 from common.engine.model_runner import ModelRunner
@@ -105,6 +106,7 @@ class LLMEngine(KVHandoffMixin):
             fuse_rms_norms(loaded.model, kernel=kernels)
             if kernels:
                 fuse_gated_mlps(loaded.model)
+                fuse_rope_attention(loaded.model)
         self.block_pool = BlockPool(num_blocks)
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels)

@@ -141,6 +141,58 @@ def test_silu_mul_matches_pytorch(dtype, rows):
         torch.ops.pdserve.silu_mul(gu[:, :-1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,dim", [(1, (8, 4), 64), (16, (16, 8), 64), (300, (4, 2), 128), (3, (2, 2), 40)])
+def test_rotary_matches_transformers_bit_for_bit(dtype, tokens, heads, dim):
+    """RoPE in place over a fused q/k/v product: queries and keys exactly as transformers' apply_rotary_pos_emb
+    rotates them (its roundings, fp32 and bf16), values untouched; a step's rows of a larger buffer (strided)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    num_q, num_kv = heads
+    splits = [num_q * dim, num_kv * dim, num_kv * dim]
+    g = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(1, tokens, sum(splits), generator=g) * 3).to(dtype)
+    angles = torch.rand(1, tokens, dim // 2, generator=g) * 4000  # positions up to thousands
+    angles = torch.cat((angles, angles), -1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def parts(t):
+        return [p.view(1, tokens, -1, dim).transpose(1, 2) for p in t.split(splits, -1)]
+
+    q, k, v = parts(qkv)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got = qkv.clone()
+    torch.ops.pdserve.rotary_(got, cos, sin, num_q, num_kv, dim)
+    got_q, got_k, got_v = parts(got)
+    torch.testing.assert_close(got_q, want_q, rtol=0, atol=0)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
+    torch.testing.assert_close(got_v, v, rtol=0, atol=0)
+    wide = torch.cat([qkv, qkv], -1)[..., : sum(splits)]  # rows one stride apart, not contiguous as a whole
+    torch.ops.pdserve.rotary_(wide, cos, sin, num_q, num_kv, dim)
+    torch.testing.assert_close(wide, got, rtol=0, atol=0)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    for bad_cos in (cos.to(other), cos[..., :-2]):
+        with pytest.raises(RuntimeError, match="cos and sin"):
+            torch.ops.pdserve.rotary_(qkv.clone(), bad_cos, sin, num_q, num_kv, dim)
+    with pytest.raises(RuntimeError, match="qkv"):
+        torch.ops.pdserve.rotary_(qkv.clone()[..., :-dim], cos, sin, num_q, num_kv, dim)
+
+
+def test_rope_attention_only_where_the_kernel_rotates_as_the_model_does():
+    """The swap's check: a model whose apply_rotary_pos_emb differs (here: no sin term) keeps its own module."""
+    from types import SimpleNamespace
+
+    from transformers.models.llama import modeling_llama
+
+    from common.engine.fused_attention import _kernel_matches
+
+    other = SimpleNamespace(apply_rotary_pos_emb=lambda q, k, cos, sin: (q * cos, k * cos))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert _kernel_matches(modeling_llama, dtype, 4, 2, 64)
+        assert not _kernel_matches(other, dtype, 4, 2, 64)
+    assert not _kernel_matches(SimpleNamespace(), torch.float32, 4, 2, 64)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 16, 17, 300])
 @pytest.mark.parametrize("out_features,bias", [(64, False), (1000, True), (70, True)])
 def test_bf16_linear_matches_float_matmul(rows, out_features, bias):

@@ -11,6 +11,7 @@ import pytest
 import common.engine.attention as attention
 from common.engine import cpu_kernels
 from common.engine.cpu_linear import FusedGatedMLP, FusedLinear, FusedRMSNorm, LinearSlice
+from common.engine.fused_attention import RopeAttention
 from common.engine.sampling_params import SamplingParams
 from tests.common.engine.test_engine_oracle import GREEDY, make_engine, make_prompts
 from tests.conftest import hf_greedy
@@ -62,6 +63,8 @@ def test_fused_layers_one_stream_at_a_time(arch, kernel, tiny_model_dir, hf_refe
     # with the kernels, each MLP is one FusedGatedMLP (gate/up product, pdserve::silu_mul, down) without slices
     assert sum(isinstance(m, FusedGatedMLP) for m in modules) == (layers if kernel else 0)
     assert sum(isinstance(m, LinearSlice) for m in modules) == (3 if kernel else 5) * layers
+    # and each attention one RopeAttention (the q/k/v product rotated in place by pdserve::rotary_)
+    assert sum(isinstance(m, RopeAttention) for m in modules) == (layers if kernel else 0)
     assert sum(isinstance(m, FusedRMSNorm) for m in modules) == 2 * layers + 1
     assert all(m.kernel == kernel for m in modules if isinstance(m, FusedRMSNorm))  # pdserve::rms_norm or F.rms_norm
     reference = hf_reference(d)

@@ -1,0 +1,99 @@
+// Rotary position embedding (RoPE, the half-split form of Llama and Qwen2) applied in place to the query and key
+// heads of a fused q/k/v projection's output, in one pass.
+//
+// transformers applies it as q * cos + rotate_half(q) * sin for q and k: two slices, a negation, a concatenation,
+// two multiplies and an add each, fourteen operators a layer (with their allocations) where one loop suffices. On
+// a 0.35B model's 2,048-token prefill those operators took about 11% of the time; in a single-stream decode step
+// they are a hundred small calls. The roundings are transformers' own: each product rounded to the dtype, then
+// their sum (for the first half q1*cos - q2*sin, as q1*cos + (-q2)*sin, whose negation is exact). Nothing here may
+// fuse a multiply into an add, so contraction is off for this file.
+
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "bf16.h"
+#include "parallel.h"
+
+#include <cstdint>
+
+namespace {
+
+using pdserve::round_to;
+using pdserve::to_float;
+
+// one head of one token: x[0, D) rotated by c[0, D), s[0, D)
+template <typename T>
+inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+    const float a1 = to_float(round_to<T>(x1 * to_float(c[i])));
+    const float b1 = to_float(round_to<T>(x2 * to_float(s[i])));
+    const float a2 = to_float(round_to<T>(x2 * to_float(c[i + half])));
+    const float b2 = to_float(round_to<T>(x1 * to_float(s[i + half])));
+    x[i] = round_to<T>(a1 - b1);
+    x[i + half] = round_to<T>(a2 + b2);
+  }
+}
+
+template <typename T>
+void rotary_rows(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_stride, int64_t cs_stride,
+                 int64_t heads, int64_t head_dim) {
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, heads * head_dim));
+  pdserve::parallel_claim(rows, chunk, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* x = qkv + r * row_stride;
+      const T* c = cos + r * cs_stride;
+      const T* s = sin + r * cs_stride;
+      for (int64_t h = 0; h < heads; ++h) rotate_head(x + h * head_dim, c, s, head_dim / 2);
+    }
+  });
+}
+
+// qkv [..., T, (Hq + 2 Hkv) D]: the first Hq + Hkv heads of each row (queries, then keys) rotated in place; values
+// untouched. cos, sin [..., T, D] (one row a token, as transformers' rotary embedding gives them), qkv's dtype.
+void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
+             int64_t head_dim) {
+  TORCH_CHECK(qkv.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
+              "pdserve::rotary_ takes CPU tensors");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && num_q_heads > 0 && num_kv_heads > 0,
+              "pdserve::rotary_: bad head layout ", num_q_heads, " x ", num_kv_heads, " x ", head_dim);
+  TORCH_CHECK(qkv.dim() >= 1 && qkv.size(-1) == (num_q_heads + 2 * num_kv_heads) * head_dim && qkv.stride(-1) == 1,
+              "pdserve::rotary_: qkv [..., (Hq + 2 Hkv) D] with contiguous rows, got ", qkv.sizes());
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type(),
+              "pdserve::rotary_: cos and sin must be qkv's dtype");
+  at::Tensor rows = qkv.view({-1, qkv.size(-1)});  // fails (rather than copies) where the rows are not one stride
+  const int64_t n = rows.size(0);
+  at::Tensor c = cos.reshape({-1, cos.size(-1)}), s = sin.reshape({-1, sin.size(-1)});
+  TORCH_CHECK(c.size(0) == n && c.size(1) == head_dim && s.sizes() == c.sizes(),
+              "pdserve::rotary_: cos and sin [..., T, D] for T = ", n, " and D = ", head_dim, ", got ", cos.sizes());
+  if (c.stride(1) != 1 || s.stride(1) != 1 || c.stride(0) != s.stride(0)) {
+    c = c.contiguous();
+    s = s.contiguous();
+  }
+  const int64_t heads = num_q_heads + num_kv_heads;
+  if (qkv.scalar_type() == at::kFloat) {
+    rotary_rows(rows.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), n, rows.stride(0), c.stride(0),
+                heads, head_dim);
+  } else if (qkv.scalar_type() == at::kBFloat16) {
+    rotary_rows(rows.data_ptr<c10::BFloat16>(), c.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(), n,
+                rows.stride(0), c.stride(0), heads, head_dim);
+  } else {
+    TORCH_CHECK(false, "pdserve::rotary_ supports float32 and bfloat16, got ", qkv.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads, int head_dim) -> ()");
+  m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));
+}

@@ -1,0 +1,132 @@
+"""Llama- and Qwen2-style attention over the fused q/k/v product, the rotary embedding one kernel call.
+
+transformers' attention module projects q, k and v (here three slices of one fused product, see
+:mod:`common.engine.cpu_linear`), then rotates q and k with ``apply_rotary_pos_emb``: fourteen small operators a
+layer. :class:`RopeAttention` computes the fused product, rotates its query and key columns in place with
+``torch.ops.pdserve.rotary_`` (transformers' roundings, so the same numbers) and hands views of it to the
+registered attention function, as the module it replaces would.
+
+:func:`fuse_rope_attention` swaps it in only where the module is one of the classes whose forward it repeats,
+its q/k/v are one fused product, and the kernel gives exactly what the module's own ``apply_rotary_pos_emb``
+gives on a random input.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from common.engine.cpu_linear import FusedLinear, LinearSlice
+
+log = logging.getLogger(__name__)
+
+# attention modules whose forward RopeAttention repeats (projections, half-split RoPE, interface, o_proj), and
+# whether it passes its ``sliding_window`` to the attention function
+_ROPE_ATTENTIONS = {"LlamaAttention": False, "Qwen2Attention": True}
+
+
+class RopeAttention(torch.nn.Module):
+    """Stands where a Llama/Qwen2 attention module stood; keeps it for its settings and output projection."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: FusedLinear, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int) -> None:  # fmt: skip
+        super().__init__()
+        self.inner = attention
+        self.qkv = qkv
+        self.layer_idx = attention.layer_idx
+        self.heads = (num_q_heads, num_kv_heads, head_dim)
+        self.splits = [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.sliding = _ROPE_ATTENTIONS[type(attention).__name__]
+        self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None = None, cache=None, **kwargs):  # fmt: skip
+        inner = self.inner
+        shape = hidden_states.shape[:-1]
+        qkv = self.qkv.linear(hidden_states)  # a fresh tensor: rotated in place
+        cos, sin = position_embeddings
+        torch.ops.pdserve.rotary_(qkv, cos, sin, *self.heads)
+        d = self.heads[2]
+        q, k, v = (part.view(*shape, -1, d).transpose(1, 2) for part in qkv.split(self.splits, dim=-1))
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(inner.config._attn_implementation, self.eager)
+        extra = {"sliding_window": inner.sliding_window} if self.sliding else {}
+        out, weights = interface(inner, q, k, v, attention_mask, dropout=0.0, scaling=inner.scaling, **extra,
+                                 **kwargs)  # fmt: skip
+        return inner.o_proj(out.reshape(*shape, -1).contiguous()), weights
+
+
+def fuse_rope_attention(model: torch.nn.Module) -> int:
+    """Replace each fitting attention module of ``model`` (see the module doc) by a :class:`RopeAttention`;
+    returns how many. Needs the engine's CPU kernels (the caller checked that they loaded) and q/k/v fused by
+    :func:`common.engine.cpu_linear.pack_linear_layers`."""
+    done = 0
+    checked: dict[str, bool] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            fitting = _fitting(child)
+            if fitting is None:
+                continue
+            fused, heads = fitting
+            dtype = fused.linear.weight.dtype
+            key = f"{type(child).__module__}:{dtype}:{heads}"
+            if key not in checked:
+                checked[key] = _kernel_matches(sys.modules[type(child).__module__], dtype, *heads)
+                if not checked[key]:
+                    log.warning("keeping %s: the rotary kernel differs from its apply_rotary_pos_emb",
+                                type(child).__name__)
+            if checked[key]:
+                setattr(parent, name, RopeAttention(child, fused, *heads))
+                done += 1
+    return done
+
+
+def _fitting(module: torch.nn.Module) -> tuple[FusedLinear, tuple[int, int, int]] | None:
+    """(the fused q/k/v product, (query heads, KV heads, head size)) if ``module`` can become a RopeAttention."""
+    if type(module).__name__ not in _ROPE_ATTENTIONS:
+        return None
+    parts = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    if not all(isinstance(p, LinearSlice) for p in parts):
+        return None
+    fused = parts[0]._fused[0]
+    if any(p._fused[0] is not fused for p in parts) or [p.index for p in parts] != [0, 1, 2] \
+            or len(fused.bounds) != 3:  # fmt: skip
+        return None
+    if any(hasattr(module, n) for n in ("q_norm", "k_norm")):  # Qwen3-style norms between projection and RoPE
+        return None
+    config = module.config
+    head_dim = module.head_dim
+    if head_dim % 2 or getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        return None
+    q, k = parts[0].out_features, parts[1].out_features
+    if q % head_dim or k % head_dim or parts[2].out_features != k:
+        return None
+    return fused, (q // head_dim, k // head_dim, head_dim)
+
+
+def _kernel_matches(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel rotates a random q/k exactly as ``modeling.apply_rotary_pos_emb`` does (v untouched)."""
+    apply = getattr(modeling, "apply_rotary_pos_emb", None)
+    if apply is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    tokens, splits = 5, [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = torch.randn(1, tokens, sum(splits), generator=g).to(dtype)
+    angles = torch.randn(1, tokens, head_dim // 2, generator=g) * 10
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def heads(t: torch.Tensor) -> list[torch.Tensor]:
+        return [p.view(1, tokens, -1, head_dim).transpose(1, 2) for p in t.split(splits, dim=-1)]
+
+    q, k, v = heads(qkv)
+    with torch.inference_mode():
+        want_q, want_k = apply(q, k, cos, sin)
+        got = qkv.clone()
+        torch.ops.pdserve.rotary_(got, cos, sin, num_q_heads, num_kv_heads, head_dim)
+    got_q, got_k, got_v = heads(got)
+    return torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, v)
