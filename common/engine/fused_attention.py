@@ -35,7 +35,7 @@ class RopeAttention(torch.nn.Module):
                  head_dim: int) -> None:  # fmt: skip
         super().__init__()
         self.inner = attention
-        self.qkv = qkv
+        self._qkv = (qkv,)  # not a submodule: the attention module it replaces registers the fused layer already
         self.layer_idx = attention.layer_idx
         self.heads = (num_q_heads, num_kv_heads, head_dim)
         self.splits = [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
@@ -46,7 +46,7 @@ class RopeAttention(torch.nn.Module):
                 attention_mask: torch.Tensor | None = None, cache=None, **kwargs):  # fmt: skip
         inner = self.inner
         shape = hidden_states.shape[:-1]
-        qkv = self.qkv.linear(hidden_states)  # a fresh tensor: rotated in place
+        qkv = self._qkv[0].linear(hidden_states)  # a fresh tensor: rotated in place
         cos, sin = position_embeddings
         torch.ops.pdserve.rotary_(qkv, cos, sin, *self.heads)
         d = self.heads[2]
