@@ -139,7 +139,9 @@ class Client:
         return req
 
     def stream_call(self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **kwargs):
-        """The raw streaming call (iterate it for GenerateResponse messages; ``.cancel()`` cancels)."""
+        """The raw streaming call: iterate it for GenerateResponse messages on one thread; ``.cancel()`` (from
+        any thread) cancels; ``.code()``/``.details()`` once it ended. It is read by the iterating thread itself
+        (no channel thread), so its future-style ``result()``/``exception()`` never wait."""
         return self._stub.Generate(self.request(prompt, **kwargs), timeout=timeout_s or self.timeout_s,
                                    metadata=self._metadata)
 
