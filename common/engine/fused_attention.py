@@ -67,6 +67,8 @@ def fuse_rope_attention(model: torch.nn.Module) -> int:
     done = 0
     checked: dict[str, bool] = {}
     for parent in list(model.modules()):
+        if isinstance(parent, RopeAttention):  # a model fused before (engines may share one): its module stays
+            continue
         for name, child in list(parent.named_children()):
             fitting = _fitting(child)
             if fitting is None:

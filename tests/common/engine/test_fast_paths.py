@@ -10,8 +10,11 @@ import pytest
 
 import common.engine.attention as attention
 from common.engine import cpu_kernels
+from common.engine.config import EngineConfig
 from common.engine.cpu_linear import FusedGatedMLP, FusedLinear, FusedRMSNorm, LinearSlice
+from common.engine.engine import LLMEngine
 from common.engine.fused_attention import RopeAttention
+from common.engine.loader import load_model
 from common.engine.sampling_params import SamplingParams
 from tests.common.engine.test_engine_oracle import GREEDY, make_engine, make_prompts
 from tests.conftest import hf_greedy
@@ -129,3 +132,19 @@ def test_kernel_decode_group_carries_its_table_and_lengths(tiny_model_dir):
     groups = engine.runner.prepare([(request, 1), (prefill, k)]).attn.groups
     assert groups[0].block_table.tolist() == [request.block_ids[:4]] and groups[0].seq_lens.tolist() == [14]
     assert groups[1].seq_lens is None
+
+
+def test_a_second_engine_on_the_same_loaded_model_fuses_nothing_twice(tiny_model_dir, hf_reference):
+    """Engines may share a loaded model (tests do): the second finds the attention already a RopeAttention and
+    leaves it, and both give stock generate's tokens."""
+    decode_path(True)
+    d = tiny_model_dir("llama")
+    loaded = load_model(d)
+    engines = [LLMEngine(loaded, EngineConfig()) for _ in range(2)]
+    modules = list(loaded.model.modules())
+    assert sum(isinstance(m, RopeAttention) for m in modules) == engines[0].kv_spec.num_layers
+    assert not any(isinstance(m.inner, RopeAttention) for m in modules if isinstance(m, RopeAttention))
+    prompt = make_prompts(engines[0].vocab_size, lens=[9], seed=3)[0]
+    expected = hf_greedy(hf_reference(d), prompt, 8)
+    for engine in engines:
+        assert engine.generate([prompt], SamplingParams(max_new_tokens=8, **GREEDY))[0].token_ids == expected
