@@ -92,21 +92,23 @@ def test_sigterm_on_a_router_finishes_its_streams_and_exits_0(cluster, tiny_mode
             deadline = time.monotonic() + 10
             while True:  # until its registry view lists the workers
                 try:
-                    stream = client.stream(prompt, max_tokens=120, temperature=0.0, ignore_eos=True)
+                    # long enough to outlast the checks below however fast the tiny model decodes
+                    stream = client.stream(prompt, max_tokens=1000, temperature=0.0, ignore_eos=True)
                     first = next(stream)
                     break
                 except grpc.RpcError:
                     assert time.monotonic() < deadline
                     time.sleep(0.2)
             router.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=2)
-                ready = 200
-            except urllib.error.HTTPError as exc:
-                ready = exc.code
+            ready, until = 200, time.monotonic() + 5
+            while ready == 200 and time.monotonic() < until:  # until it has taken the signal
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=2)
+                except urllib.error.HTTPError as exc:
+                    ready = exc.code
+                time.sleep(0.05)
             assert ready == 503  # not ready while it drains
-            assert len(first.token_ids) + sum(len(p.token_ids) for p in stream) == 120  # finished, not cut
+            assert len(first.token_ids) + sum(len(p.token_ids) for p in stream) == 1000  # finished, not cut
         assert router.wait(30) == 0
     finally:
         router.kill()
