@@ -39,7 +39,8 @@ class RopeAttention(torch.nn.Module):
         self.layer_idx = attention.layer_idx
         self.heads = (num_q_heads, num_kv_heads, head_dim)
         self.splits = [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        self.sliding = _ROPE_ATTENTIONS[type(attention).__name__]
+        # what the attention function gets besides the module's own settings (a constant of the layer)
+        self.extra = {"sliding_window": attention.sliding_window} if _ROPE_ATTENTIONS[type(attention).__name__] else {}
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -54,8 +55,7 @@ class RopeAttention(torch.nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(inner.config._attn_implementation, self.eager)
-        extra = {"sliding_window": inner.sliding_window} if self.sliding else {}
-        out, weights = interface(inner, q, k, v, attention_mask, dropout=0.0, scaling=inner.scaling, **extra,
+        out, weights = interface(inner, q, k, v, attention_mask, dropout=0.0, scaling=inner.scaling, **self.extra,
                                  **kwargs)  # fmt: skip
         return inner.o_proj(out.reshape(*shape, -1).contiguous()), weights
 
