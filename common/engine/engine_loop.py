@@ -77,9 +77,15 @@ class RequestStream:
         self._error: BaseException | None = None
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None  # an async reader waiting
 
-    def _put(self, out: RequestOutput) -> None:
+    def _put(self, out: RequestOutput, wakes: list | None = None) -> None:
+        """Queue ``out``; an async reader waiting is woken now, or with the rest of ``wakes`` (a step's outputs:
+        see :func:`_wake_all`)."""
         self._queue.put(out)
-        self._wake()
+        if wakes is None:
+            self._wake()
+        elif self._waiter is not None:
+            waiter, self._waiter = self._waiter, None
+            wakes.append(waiter)
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
@@ -123,8 +129,9 @@ class RequestStream:
             if not self._queue.empty():  # it arrived between the two looks: _put may not have seen the waiter
                 self._waiter = None
                 continue
-            try:
-                await asyncio.wait_for(future, timeout_s)
+            try:  # not asyncio.wait_for: on Python 3.11 it can swallow a cancellation that meets the result
+                async with asyncio.timeout(timeout_s):
+                    await future
             except TimeoutError:
                 self._waiter = None
                 raise queue.Empty from None
@@ -184,6 +191,25 @@ class RequestStream:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _resolve_all(futures: list[asyncio.Future]) -> None:
+    for future in futures:
+        _resolve(future)
+
+
+def _wake_all(wakes: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
+    """Wake the async readers of one step's outputs with one hand-off per event loop: their tasks then run in
+    the same turn of the loop (a DecodeMany stream sends their tokens as one message), and the engine thread
+    writes to each loop's wake-up pipe once a step instead of once a request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
+    for loop, future in wakes:
+        by_loop.setdefault(loop, []).append(future)
+    for loop, futures in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_resolve_all, futures)
+        except RuntimeError:  # that loop is closed: nobody reads any more
+            pass
 
 
 class _Merge:
@@ -360,13 +386,16 @@ class EngineLoop:
         self._snapshot()
 
     def _route(self, outputs: list[RequestOutput]) -> None:
+        wakes: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream._put(out)
+            stream._put(out, wakes)
             if out.finished or out.prefilled:
                 del self._streams[out.request_id]
+        if wakes:
+            _wake_all(wakes)
 
     def _snapshot(self) -> None:
         e = self.engine

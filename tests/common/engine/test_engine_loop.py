@@ -237,3 +237,61 @@ def test_a_stream_interval_waits_for_that_many_tokens_but_never_past_the_linger_
     assert read(stream, timeout_s=1, min_tokens=5, linger_s=5).new_token_ids == [8]
     with pytest.raises(StreamClosed, match="step failed"):
         read(stream, timeout_s=1, min_tokens=5)
+
+
+
+def test_one_steps_outputs_wake_their_async_readers_in_one_hand_off(loaded):
+    """The engine thread wakes an event loop once a step, not once a stream: the readers of that step's outputs
+    then run in the same turn of the loop (a DecodeMany stream sends their tokens as one message)."""
+    from common.engine.engine_loop import RequestStream
+    from common.engine.request import RequestOutput
+
+    engine_loop = EngineLoop(LLMEngine(loaded, EngineConfig(num_kv_blocks=300)))  # not started: _route by hand
+    streams = {rid: RequestStream(rid) for rid in ("a", "b", "c")}
+    engine_loop._streams.update(streams)
+
+    async def main():
+        event_loop = asyncio.get_running_loop()
+        hand_offs = []
+        original = event_loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            if callback.__module__ == "common.engine.engine_loop":  # not to_thread's own hand-offs
+                hand_offs.append(args)
+            return original(callback, *args, **kwargs)
+
+        event_loop.call_soon_threadsafe = counting
+        readers = [asyncio.ensure_future(s.get_async(timeout_s=10)) for s in streams.values()]
+        await asyncio.sleep(0.01)  # all three wait
+        outputs = [RequestOutput(rid, [i], f"<{i}>", rid == "b", None) for i, rid in enumerate(streams)]
+        await asyncio.to_thread(engine_loop._route, outputs)
+        got = await asyncio.gather(*readers)
+        return [(o.request_id, o.new_token_ids) for o in got], hand_offs
+
+    got, hand_offs = asyncio.run(main())
+    assert got == [("a", [0]), ("b", [1]), ("c", [2])]
+    assert len(hand_offs) == 1 and len(hand_offs[0][0]) == 3  # one call carrying the three readers' futures
+    assert set(engine_loop._streams) == {"a", "c"}  # "b" finished
+
+
+def test_a_cancelled_async_reader_is_cancelled_even_when_its_output_arrives_at_that_moment():
+    """The decode worker cancels a request's task when its client leaves (or its deadline passes); the task must
+    end then even if a token arrived in the same turn (asyncio.wait_for on Python 3.11 returned the token and
+    dropped the cancellation: the request went on decoding for nobody)."""
+    from common.engine.engine_loop import RequestStream
+
+    stream = RequestStream("r")
+
+    async def main():
+        reader = asyncio.ensure_future(stream.get_async(timeout_s=30))
+        await asyncio.sleep(0.01)  # it waits
+        stream._put(_out([7], "x"))  # resolves its future on the next turn...
+        await asyncio.sleep(0)
+        reader.cancel()  # ...and the cancellation meets that result
+        try:
+            await reader
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "swallowed"
+
+    assert asyncio.run(main()) == "cancelled"
