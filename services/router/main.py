@@ -8,6 +8,7 @@ import signal
 import threading
 from collections.abc import Callable
 
+from common.heap import freeze_startup_objects
 from common.http.server import HttpFront
 from common.metrics.router import RouterMetrics
 from common.obs import Tracing
@@ -128,6 +129,7 @@ def run(
     http.add_observability(metrics.registry, not_ready, details)
     RouterHttpApi(servicer, served_model_name(config), server.loop).register(http)
     http.start()
+    freeze_startup_objects()  # tokenizer, gRPC, Redis clients: out of the collector's way (common.heap)
     server.start()
     health.set_serving(True)
     address = f"{config.host}:{port}"

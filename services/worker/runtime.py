@@ -35,6 +35,7 @@ from common.engine.identity import ModelIdentity
 from common.engine.kv_tiers import KVTiers, RedisKVStore
 from common.engine.loader import load_model
 from common.engine.omp_teams import release_team
+from common.heap import freeze_startup_objects
 from common.http.server import HttpFront
 from common.metrics.gpu import GpuMonitor
 from common.metrics.worker import WorkerMetrics
@@ -227,6 +228,8 @@ def serve_worker(
             index = PrefixIndex(redis_client, prefix=config.redis_prefix, ttl_s=config.heartbeat_ttl_s)
             publisher = PrefixPublisher(index, worker_id, engine.block_pool.name_events)
         heartbeater = Heartbeater(registry, info, interval_s=min(1.0, config.heartbeat_ttl_s / 3))
+        frozen = freeze_startup_objects()  # the model, torch, gRPC: never scanned again by the collector
+        log.debug("%d startup objects frozen out of the garbage collector's scans", frozen)
         server.start()
         try:
             registry.register(info())
