@@ -26,13 +26,15 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import types_pb2 as pdserve_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x16pdserve/v1/types.proto\"\xeb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11kv_target_address\x18\x04 \x01(\t\x12\x32\n\x0f\x64\x65\x63ode_identity\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.ModelIdentity\x12\x16\n\x0ekv_shm_address\x18\x06 \x01(\t\x12\x16\n\x0ekv_target_host\x18\x07 \x01(\t\"\x8f\x03\n\x0fPrefillResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x17\n\x0fgenerator_state\x18\x05 \x01(\x0c\x12\x15\n\rnum_kv_tokens\x18\x06 \x01(\r\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\x12\x11\n\tqueued_at\x18\n \x01(\x01\x12\x1a\n\x12prefill_started_at\x18\x0b \x01(\x01\x12\x16\n\x0e\x66irst_token_at\x18\x0c \x01(\x01\x12\x1e\n\x16kv_transfer_started_at\x18\r \x01(\x01\x12\x1f\n\x17kv_transfer_finished_at\x18\x0e \x01(\x01\"*\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\x15\x43\x61ncelPrefillResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"~\n\x10ReserveKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x02\x12+\n\x08identity\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.ModelIdentity\"z\n\x11ReserveKvResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12+\n\x08identity\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.ModelIdentity\x12\x16\n\x0ekv_shm_address\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\"\x1e\n\rPushKvRequest\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\"I\n\x0ePushKvResponse\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\"\xb4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fgenerator_state\x18\x05 \x01(\x0c\x12\x14\n\x0cprefill_here\x18\x06 \x01(\x08\"\x8e\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"&\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\" \n\x10ProbeLinkRequest\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"<\n\x11ProbeLinkResponse\x12\x14\n\x0cnum_messages\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x32\xaa\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12T\n\rCancelPrefill\x12 .pdserve.v1.CancelPrefillRequest\x1a!.pdserve.v1.CancelPrefillResponse2\xf5\x02\n\rDecodeService\x12H\n\tReserveKv\x12\x1c.pdserve.v1.ReserveKvRequest\x1a\x1d.pdserve.v1.ReserveKvResponse\x12\x41\n\x06PushKv\x12\x19.pdserve.v1.PushKvRequest\x1a\x1a.pdserve.v1.PushKvResponse(\x01\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12H\n\tReleaseKv\x12\x1c.pdserve.v1.ReleaseKvRequest\x1a\x1d.pdserve.v1.ReleaseKvResponse\x12J\n\tProbeLink\x12\x1c.pdserve.v1.ProbeLinkRequest\x1a\x1d.pdserve.v1.ProbeLinkResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x16pdserve/v1/types.proto\"\xeb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11kv_target_address\x18\x04 \x01(\t\x12\x32\n\x0f\x64\x65\x63ode_identity\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.ModelIdentity\x12\x16\n\x0ekv_shm_address\x18\x06 \x01(\t\x12\x16\n\x0ekv_target_host\x18\x07 \x01(\t\"\x8f\x03\n\x0fPrefillResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x17\n\x0fgenerator_state\x18\x05 \x01(\x0c\x12\x15\n\rnum_kv_tokens\x18\x06 \x01(\r\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\x12\x11\n\tqueued_at\x18\n \x01(\x01\x12\x1a\n\x12prefill_started_at\x18\x0b \x01(\x01\x12\x16\n\x0e\x66irst_token_at\x18\x0c \x01(\x01\x12\x1e\n\x16kv_transfer_started_at\x18\r \x01(\x01\x12\x1f\n\x17kv_transfer_finished_at\x18\x0e \x01(\x01\"*\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\x15\x43\x61ncelPrefillResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"~\n\x10ReserveKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x02\x12+\n\x08identity\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.ModelIdentity\"z\n\x11ReserveKvResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12+\n\x08identity\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.ModelIdentity\x12\x16\n\x0ekv_shm_address\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\"\x1e\n\rPushKvRequest\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\"I\n\x0ePushKvResponse\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\"\xb4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fgenerator_state\x18\x05 \x01(\x0c\x12\x14\n\x0cprefill_here\x18\x06 \x01(\x08\"\x8e\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"U\n\x11\x44\x65\x63odeManyRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.DecodeOpenH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"\xc1\x01\n\nDecodeOpen\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequest\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12?\n\rtrace_context\x18\x03 \x03(\x0b\x32(.pdserve.v1.DecodeOpen.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"z\n\x0c\x44\x65\x63odeUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05piece\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.DecodeResponse\x12\x13\n\x0bstatus_code\x18\x03 \x01(\r\x12\x16\n\x0estatus_details\x18\x04 \x01(\t\"?\n\x12\x44\x65\x63odeManyResponse\x12)\n\x07updates\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.DecodeUpdate\"&\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\" \n\x10ProbeLinkRequest\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"<\n\x11ProbeLinkResponse\x12\x14\n\x0cnum_messages\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x32\xaa\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12T\n\rCancelPrefill\x12 .pdserve.v1.CancelPrefillRequest\x1a!.pdserve.v1.CancelPrefillResponse2\xc6\x03\n\rDecodeService\x12H\n\tReserveKv\x12\x1c.pdserve.v1.ReserveKvRequest\x1a\x1d.pdserve.v1.ReserveKvResponse\x12\x41\n\x06PushKv\x12\x19.pdserve.v1.PushKvRequest\x1a\x1a.pdserve.v1.PushKvResponse(\x01\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12O\n\nDecodeMany\x12\x1d.pdserve.v1.DecodeManyRequest\x1a\x1e.pdserve.v1.DecodeManyResponse(\x01\x30\x01\x12H\n\tReleaseKv\x12\x1c.pdserve.v1.ReleaseKvRequest\x1a\x1d.pdserve.v1.ReleaseKvResponse\x12J\n\tProbeLink\x12\x1c.pdserve.v1.ProbeLinkRequest\x1a\x1d.pdserve.v1.ProbeLinkResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DECODEOPEN_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_DECODEOPEN_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_PREFILLREQUEST']._serialized_start=64
   _globals['_PREFILLREQUEST']._serialized_end=299
   _globals['_PREFILLRESPONSE']._serialized_start=302
@@ -53,16 +55,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_end=1331
   _globals['_DECODERESPONSE']._serialized_start=1334
   _globals['_DECODERESPONSE']._serialized_end=1476
-  _globals['_RELEASEKVREQUEST']._serialized_start=1478
-  _globals['_RELEASEKVREQUEST']._serialized_end=1516
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1518
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1555
-  _globals['_PROBELINKREQUEST']._serialized_start=1557
-  _globals['_PROBELINKREQUEST']._serialized_end=1589
-  _globals['_PROBELINKRESPONSE']._serialized_start=1591
-  _globals['_PROBELINKRESPONSE']._serialized_end=1651
-  _globals['_PREFILLSERVICE']._serialized_start=1654
-  _globals['_PREFILLSERVICE']._serialized_end=1824
-  _globals['_DECODESERVICE']._serialized_start=1827
-  _globals['_DECODESERVICE']._serialized_end=2200
+  _globals['_DECODEMANYREQUEST']._serialized_start=1478
+  _globals['_DECODEMANYREQUEST']._serialized_end=1563
+  _globals['_DECODEOPEN']._serialized_start=1566
+  _globals['_DECODEOPEN']._serialized_end=1759
+  _globals['_DECODEOPEN_TRACECONTEXTENTRY']._serialized_start=1708
+  _globals['_DECODEOPEN_TRACECONTEXTENTRY']._serialized_end=1759
+  _globals['_DECODEUPDATE']._serialized_start=1761
+  _globals['_DECODEUPDATE']._serialized_end=1883
+  _globals['_DECODEMANYRESPONSE']._serialized_start=1885
+  _globals['_DECODEMANYRESPONSE']._serialized_end=1948
+  _globals['_RELEASEKVREQUEST']._serialized_start=1950
+  _globals['_RELEASEKVREQUEST']._serialized_end=1988
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1990
+  _globals['_RELEASEKVRESPONSE']._serialized_end=2027
+  _globals['_PROBELINKREQUEST']._serialized_start=2029
+  _globals['_PROBELINKREQUEST']._serialized_end=2061
+  _globals['_PROBELINKRESPONSE']._serialized_start=2063
+  _globals['_PROBELINKRESPONSE']._serialized_end=2123
+  _globals['_PREFILLSERVICE']._serialized_start=2126
+  _globals['_PREFILLSERVICE']._serialized_end=2296
+  _globals['_DECODESERVICE']._serialized_start=2299
+  _globals['_DECODESERVICE']._serialized_end=2753
 # @@protoc_insertion_point(module_scope)

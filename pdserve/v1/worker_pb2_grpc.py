@@ -171,6 +171,11 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/pdserve.v1.DecodeService/DecodeMany',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeManyRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeManyResponse.FromString,
+                _registered_method=True)
         self.ReleaseKv = channel.unary_unary(
                 '/pdserve.v1.DecodeService/ReleaseKv',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
@@ -208,6 +213,17 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeMany(self, request_iterator, context):
+        """Many Decode calls on one stream (a router keeps one per decode worker): requests open and cancel on the
+        way in; on the way out each message carries what the requests produced since the last one, one engine
+        step's tokens of every request together. Each request ends as its Decode call would: a piece with a
+        finish_reason, or a status of its own. The stream ends when the caller closes its side and no request is
+        open, or, once the worker drains, when its last request has ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseKv(self, request, context):
         """Release a reservation or abort a decoding request, freeing its blocks (idempotent).
         """
@@ -240,6 +256,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeManyRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeManyResponse.SerializeToString,
             ),
             'ReleaseKv': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKv,
@@ -334,6 +355,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/Decode',
             pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeService/DecodeMany',
+            pdserve_dot_v1_dot_worker__pb2.DecodeManyRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DecodeManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

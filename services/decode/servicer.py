@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
@@ -49,6 +50,7 @@ SERVICE_NAME = "pdserve.v1.DecodeService"
 
 PUSH_QUEUE_CHUNKS = 8  # chunks received ahead of the writer (8 x 4 MiB)
 ADMIT_WINDOW_S = 10.0  # how long a reservation whose KV is complete waits for its Decode call
+MANY_IDLE_POLL_S = 0.25  # how often an idle DecodeMany stream looks whether the worker drains
 
 
 class _Refused(Exception):
@@ -61,6 +63,32 @@ class _Refused(Exception):
     @classmethod
     def abort(cls, code: grpc.StatusCode, message: str) -> None:
         raise cls(code, message)
+
+
+class _StreamAbort(Exception):
+    """A request of a DecodeMany stream ended with a status (what ``context.abort`` is for a Decode call)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _StreamContext:
+    """The context a request of a DecodeMany stream runs ``_decode`` with: its trace context as the call's
+    metadata, and ``abort`` ending that request alone."""
+
+    def __init__(self, trace_context) -> None:
+        self._metadata = tuple(trace_context.items())
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _StreamAbort(code, details)
+
+
+def _status_update(rid: str, code: grpc.StatusCode, details: str) -> worker_pb2.DecodeUpdate:
+    return worker_pb2.DecodeUpdate(request_id=rid, status_code=code.value[0], status_details=details)
 
 
 @dataclass
@@ -321,6 +349,88 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             if not finished:
                 self._abort_soon(rid)
 
+    async def DecodeMany(self, request_iterator, context):
+        """Decode calls multiplexed on one stream (a router's, to this worker). Each opened request runs as its
+        own Decode call would, on a task of this event loop, and puts its pieces in one outbox; each message takes
+        the whole outbox, so one step's tokens of every request leave together: one message and one write a step
+        instead of one per request and token. A request reads its engine stream again only once the outbox gave
+        its last piece away, so when the caller lags its tokens merge into one piece as in a Decode call."""
+        opened: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}  # request id -> its task, "piece sent"
+        outbox: list[worker_pb2.DecodeUpdate] = []
+        ready = asyncio.Event()
+        reading = True
+
+        def put(update: worker_pb2.DecodeUpdate) -> None:
+            outbox.append(update)
+            ready.set()
+
+        async def run(rid: str, open_: worker_pb2.DecodeOpen, sent: asyncio.Event) -> None:
+            ctx = _StreamContext(open_.trace_context)
+            try:
+                async with asyncio.timeout(open_.timeout_s if open_.timeout_s > 0 else None):
+                    with call_scope(self.tracing, "decode.Decode", rid, ctx):
+                        async with aclosing(self._decode(open_.request, ctx)) as pieces:
+                            async for piece in pieces:
+                                put(worker_pb2.DecodeUpdate(request_id=rid, piece=piece))
+                                if not piece.finish_reason:
+                                    await sent.wait()
+                                    sent.clear()
+            except _StreamAbort as exc:
+                put(_status_update(rid, exc.code, exc.details))
+            except TimeoutError:
+                put(_status_update(rid, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
+                log.exception("decode of %s failed", rid)
+                put(_status_update(rid, grpc.StatusCode.INTERNAL, f"decode failed: {exc}"))
+            finally:
+                if opened.get(rid, (None,))[0] is asyncio.current_task():
+                    del opened[rid]
+                ready.set()
+
+        async def read() -> None:
+            nonlocal reading
+            try:
+                async for message in request_iterator:
+                    if message.HasField("open"):
+                        rid = message.open.request.request_id
+                        if rid in opened:
+                            put(_status_update(rid, grpc.StatusCode.ALREADY_EXISTS,
+                                               f"request {rid} is already open on this stream"))
+                            continue
+                        sent = asyncio.Event()
+                        opened[rid] = (asyncio.create_task(run(rid, message.open, sent)), sent)
+                    elif message.cancel:
+                        task, _ = opened.pop(message.cancel, (None, None))
+                        if task is not None:
+                            task.cancel()
+            finally:
+                reading = False
+                ready.set()
+
+        reader = asyncio.create_task(read())
+        log.info("DecodeMany stream from %s opened", context.peer())
+        try:
+            while True:
+                try:  # a draining worker's idle stream must notice that it may end
+                    async with asyncio.timeout(MANY_IDLE_POLL_S):
+                        await ready.wait()
+                except TimeoutError:
+                    pass
+                ready.clear()
+                if outbox:
+                    updates = outbox[:]
+                    outbox.clear()
+                    for update in updates:
+                        if update.request_id in opened:
+                            opened[update.request_id][1].set()
+                    yield worker_pb2.DecodeManyResponse(updates=updates)
+                if not opened and not outbox and (not reading or self.draining()):
+                    return
+        finally:
+            reader.cancel()
+            for task, _ in list(opened.values()):
+                task.cancel()
+
     def _abort_soon(self, rid: str) -> None:
         """Abort a request on the engine thread without waiting (a no-op once it finished)."""
         self.loop.submit(lambda e: e.abort(rid))
@@ -440,6 +550,11 @@ def add_to_server(servicer: DecodeServicer, server: grpc.Server) -> None:
             servicer.Decode,
             request_deserializer=worker_pb2.DecodeRequest.FromString,
             response_serializer=worker_pb2.DecodeResponse.SerializeToString,
+        ),
+        "DecodeMany": grpc.stream_stream_rpc_method_handler(
+            servicer.DecodeMany,
+            request_deserializer=worker_pb2.DecodeManyRequest.FromString,
+            response_serializer=worker_pb2.DecodeManyResponse.SerializeToString,
         ),
         "ReleaseKv": grpc.unary_unary_rpc_method_handler(
             servicer.ReleaseKv,

@@ -41,6 +41,10 @@ class RouterConfig:
     max_migrations: int = field(
         default=2, metadata=_help("times a request may move to another decode worker when its own fails mid-stream")
     )
+    decode_mux: bool = field(
+        default=True, metadata=_help("decode each worker's requests on one DecodeMany stream (one message a step "
+                                     "for all of them); --no-decode-mux: a Decode call per request")
+    )
     retry_after_s: float = field(default=1.0, metadata=_help("retry hint sent with RESOURCE_EXHAUSTED / 429"))
     request_timeout_s: float = field(default=600.0, metadata=_help("deadline of a request without a client deadline"))
     max_streams: int = field(

@@ -35,11 +35,9 @@ class DecodeStreamMixin:
             now = time.time()
             await self._record_update(rid, status="decoding", decode_worker_id=d.id, route_reason=reason,
                                       routed_at=now, decode_started_at=now)
-            call = decode_stub.Decode(
-                worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
-                                         prefill_here=True),
-                timeout=max(0.1, deadline_s - time.monotonic()), metadata=self.tracing.outgoing_metadata(),
-            )  # fmt: skip
+            call = self._decode_call(d.address, worker_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg, prefill_here=True),
+                deadline_s, self.tracing.outgoing_metadata())  # fmt: skip
             async with aclosing(self._relay(rid, call, decode_stub, d.id, "", prompt_ids, 0, timer, context,
                                             sampling_msg, deadline_s)) as messages:  # fmt: skip
                 async for message in messages:
@@ -117,11 +115,9 @@ class DecodeStreamMixin:
         sampling.max_tokens = (sampling_msg.max_tokens or self.config.default_max_tokens) - len(sent_ids)
         stub = worker_pb2_grpc.DecodeServiceStub(self._channel(choice.worker.address))
         self.tracker.acquire(choice.worker.id)
-        call = stub.Decode(
-            worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=list(prompt_ids) + list(sent_ids),
-                                     sampling=sampling, prefill_here=True),
-            timeout=max(0.1, deadline_s - time.monotonic()), metadata=self.tracing.outgoing_metadata(),
-        )  # fmt: skip
+        call = self._decode_call(choice.worker.address, worker_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=list(prompt_ids) + list(sent_ids), sampling=sampling, prefill_here=True),
+            deadline_s, self.tracing.outgoing_metadata())  # fmt: skip
         return call, stub, choice.worker.id
 
     def _sticky_decode(self, session: SessionRecord | None, workers, excluded: set[str]) -> Choice | None:

@@ -47,6 +47,7 @@ from common.state.prefix_index import PrefixIndex
 from common.state.records import RequestStore, SessionRecord, SessionStore
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from services.router.config import RouterConfig
+from services.router.decode_mux import DecodeMux
 from services.router.decode_stream import DecodeStreamMixin
 from services.router.errors import HandoffError
 from services.router.policy import Choice, LoadTracker, pick_decode, pick_prefill, pick_prefill_cached
@@ -113,6 +114,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         self.tracing = tracing
         self.tracker = LoadTracker(config.worker_cooldown_s)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._muxes: dict[str, DecodeMux] = {}  # decode worker address -> its DecodeMany stream
         self._streams: asyncio.Semaphore | None = None  # --max-streams gRPC streams at once (made on the loop)
         self._background: set[asyncio.Task] = set()
 
@@ -121,6 +123,18 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         if ch is None:
             ch = self._channels[address] = channel(address, self.worker_tls, use_asyncio=True)
         return ch
+
+    def _decode_call(self, address: str, request: worker_pb2.DecodeRequest, deadline_s: float, metadata):
+        """A Decode call of ``request`` on the worker at ``address`` until ``deadline_s`` (monotonic): on that
+        worker's DecodeMany stream (``--decode-mux``, the default) or a call of its own."""
+        timeout = max(0.1, deadline_s - time.monotonic())
+        if not self.config.decode_mux:
+            stub = worker_pb2_grpc.DecodeServiceStub(self._channel(address))
+            return stub.Decode(request, timeout=timeout, metadata=metadata)
+        mux = self._muxes.get(address)
+        if mux is None:
+            mux = self._muxes[address] = DecodeMux(worker_pb2_grpc.DecodeServiceStub(self._channel(address)), address)
+        return mux.decode(request, timeout=timeout, metadata=metadata)
 
     def _spawn(self, coroutine) -> None:
         """Run ``coroutine`` on the loop without waiting for it (cleanup of a stream that is going away)."""
@@ -357,12 +371,9 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             # 4. decode and relay. Decode starts before the first token goes out: the reservation never waits on
             # the client, so a router that dies now leaves no KV behind for longer than the decode worker's
             # admission window.
-            call = decode_stub.Decode(
-                worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids,
-                                         output_token_ids=first.token_ids, sampling=sampling_msg,
-                                         generator_state=first.generator_state),
-                timeout=max(0.1, deadline_s - time.monotonic()), metadata=metadata,
-            )
+            call = self._decode_call(d.address, worker_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=prompt_ids, output_token_ids=first.token_ids, sampling=sampling_msg,
+                generator_state=first.generator_state), deadline_s, metadata)
             timer.on_tokens(first.token_ids)
             try:
                 await self._record_update(rid, status="decoding", num_tokens_emitted=emitted,

@@ -1,0 +1,227 @@
+"""One ``DecodeMany`` stream per decode worker, shared by every request the router decodes there.
+
+A request's Decode call through the mux (:meth:`DecodeMux.decode`) behaves as a ``Decode`` call of its own:
+iterate it for :class:`~pdserve.v1.worker_pb2.DecodeResponse` pieces; it raises :class:`grpc.RpcError` (a
+:class:`StreamError`) with the status its Decode call would have ended with, and ``cancel()`` stops it. What
+changes is the traffic: the worker sends one message a step for all of them, and the router reads one.
+
+- The stream opens with the first request and is reopened by the first request after it ended. When it fails
+  (the worker died, a network break), every request on it fails with that status (UNAVAILABLE when the worker
+  ended it): :meth:`services.router.decode_stream.DecodeStreamMixin._relay` moves each to another worker.
+- Each request keeps its own deadline here too: a worker that stops answering cannot hold one past it.
+- A worker without ``DecodeMany`` (an older version, during a rolling upgrade) answers UNIMPLEMENTED before any
+  token: the requests waiting for it then make plain ``Decode`` calls, and so does every later one.
+- A request whose client lags gets what queued meanwhile as one piece (tokens, text and logprobs joined).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_END = object()  # the stream ended (it was replaced by a status of its own)
+
+
+class StreamError(grpc.RpcError):
+    """How a request on the mux ended other than with its last piece: the status its Decode call would have."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Unsupported(Exception):
+    """The worker has no DecodeMany: the request falls back to a Decode call."""
+
+
+class DecodeMux:
+    """The router's ``DecodeMany`` stream to one decode worker. Used from one event loop."""
+
+    def __init__(self, stub: worker_pb2_grpc.DecodeServiceStub, address: str) -> None:
+        self.stub = stub
+        self.address = address
+        self.supported = True  # False once the worker answered UNIMPLEMENTED: plain Decode calls from then on
+        self._call = None
+        self._reader: asyncio.Task | None = None
+        self._outgoing: asyncio.Queue | None = None
+        self._waiting: dict[str, asyncio.Queue] = {}  # request id -> its pieces (and errors)
+
+    def decode(self, request: worker_pb2.DecodeRequest, *, timeout: float,
+               metadata: Sequence[tuple[str, str]] = ()) -> MuxedDecode | grpc.aio.UnaryStreamCall:
+        """A Decode call of ``request`` with ``timeout`` seconds: on the mux, or a plain one if the worker has none."""
+        if not self.supported:
+            return self.stub.Decode(request, timeout=timeout, metadata=metadata)
+        return MuxedDecode(self, request, timeout, metadata)
+
+    # -- the stream -----------------------------------------------------------------------------------------
+
+    def _open(self, rid: str, message: worker_pb2.DecodeManyRequest) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._waiting[rid] = queue
+        if self._call is None:
+            self._outgoing = asyncio.Queue()
+            self._call = self.stub.DecodeMany(self._requests(self._outgoing))
+            self._reader = asyncio.get_running_loop().create_task(self._read(self._call, self._outgoing))
+        self._outgoing.put_nowait(message)
+        return queue
+
+    def _cancel(self, rid: str, queue: asyncio.Queue) -> None:
+        if self._waiting.get(rid) is queue:
+            del self._waiting[rid]
+            if self._outgoing is not None:
+                self._outgoing.put_nowait(worker_pb2.DecodeManyRequest(cancel=rid))
+
+    def _done(self, rid: str, queue: asyncio.Queue) -> None:
+        if self._waiting.get(rid) is queue:
+            del self._waiting[rid]
+
+    @staticmethod
+    async def _requests(outgoing: asyncio.Queue) -> AsyncIterator[worker_pb2.DecodeManyRequest]:
+        while True:
+            message = await outgoing.get()
+            if message is _END:
+                return
+            yield message
+
+    async def _read(self, call, outgoing: asyncio.Queue) -> None:
+        """Hand each update to its request's queue until the stream ends; then end every request still on it."""
+        error: StreamError | _Unsupported
+        received = False
+        try:
+            async for response in call:
+                received = True
+                for update in response.updates:
+                    queue = self._waiting.get(update.request_id)
+                    if queue is None:  # cancelled meanwhile
+                        continue
+                    if update.status_code:
+                        del self._waiting[update.request_id]
+                        code = _CODES.get(update.status_code, grpc.StatusCode.UNKNOWN)
+                        queue.put_nowait(StreamError(code, update.status_details))
+                    else:
+                        queue.put_nowait(update.piece)
+                        if update.piece.finish_reason:
+                            del self._waiting[update.request_id]
+            error = StreamError(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address} ended the stream")
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code is grpc.StatusCode.UNIMPLEMENTED and not received:
+                self.supported = False
+                log.warning("decode worker %s has no DecodeMany: plain Decode calls to it", self.address)
+                error = _Unsupported()
+            else:  # a worker that went away mid-stream (its server stopped) failed every request on it
+                code = grpc.StatusCode.UNAVAILABLE if code is grpc.StatusCode.CANCELLED else code
+                error = StreamError(code, exc.details() or code.name)
+        finally:
+            if self._call is call:
+                self._call = self._outgoing = None
+            outgoing.put_nowait(_END)
+        waiting, self._waiting = self._waiting, {}
+        for queue in waiting.values():
+            queue.put_nowait(error)
+
+    def close(self) -> None:
+        """End the stream (the router stops); the requests still on it fail as if the worker went away."""
+        if self._call is not None:
+            self._call.cancel()
+
+
+class MuxedDecode:
+    """One request's Decode call on a :class:`DecodeMux`: iterate it once; ``cancel()`` from anywhere."""
+
+    def __init__(self, mux: DecodeMux, request, timeout: float, metadata: Sequence[tuple[str, str]]) -> None:
+        self._mux = mux
+        self._request = request
+        self._deadline = time.monotonic() + timeout
+        self._metadata = tuple(metadata)
+        self._queue: asyncio.Queue | None = None
+        self._fallback = None  # the plain Decode call, when the worker has no DecodeMany
+        self._cancelled = self._finished = False
+
+    def cancel(self) -> bool:
+        if self._fallback is not None:
+            return self._fallback.cancel()
+        if self._cancelled or self._finished:
+            return False
+        self._cancelled = True
+        if self._queue is not None:
+            self._mux._cancel(self._request.request_id, self._queue)
+        return True
+
+    def __aiter__(self):
+        return self._pieces()
+
+    async def _pieces(self):
+        rid = self._request.request_id
+        if self._cancelled:
+            raise StreamError(grpc.StatusCode.CANCELLED, "cancelled")
+        if self._mux.supported:
+            timeout_s = max(0.001, self._deadline - time.monotonic())
+            self._queue = self._mux._open(rid, worker_pb2.DecodeManyRequest(open=worker_pb2.DecodeOpen(
+                request=self._request, timeout_s=timeout_s, trace_context=dict(self._metadata))))
+            unsupported = False
+            try:
+                while True:
+                    item = await self._next()
+                    if isinstance(item, _Unsupported):
+                        unsupported = True
+                        break
+                    if isinstance(item, BaseException):
+                        self._finished = True
+                        raise item
+                    if item.finish_reason:
+                        self._finished = True
+                    yield item
+                    if self._finished:
+                        return
+            finally:
+                if not self._finished and not unsupported:  # the client left, or this task was cancelled
+                    self.cancel()
+        # the worker has no DecodeMany (it answered before anything of this request): a Decode call of its own
+        self._fallback = self._mux.stub.Decode(self._request, timeout=max(0.001, self._deadline - time.monotonic()),
+                                               metadata=self._metadata)  # fmt: skip
+        async for piece in self._fallback:
+            yield piece
+
+    async def _next(self):
+        """The next piece, merged with every piece queued behind it (the client lagged), or an error."""
+        queue = self._queue
+        if queue.empty():
+            try:
+                async with asyncio.timeout(self._deadline - time.monotonic()):
+                    first = await queue.get()
+            except TimeoutError:  # the worker may be stuck: it is told to stop too
+                self._mux._cancel(self._request.request_id, queue)
+                return StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        else:
+            first = queue.get_nowait()
+        if isinstance(first, BaseException) or first.finish_reason or queue.empty():
+            return first
+        merged = worker_pb2.DecodeResponse()
+        merged.MergeFrom(first)
+        while not queue.empty():
+            item = queue._queue[0]  # noqa: SLF001 - peek: an error ends the merge and is returned next time
+            if isinstance(item, BaseException):
+                break
+            queue.get_nowait()
+            merged.token_ids.extend(item.token_ids)
+            merged.text += item.text
+            merged.logprobs.extend(item.logprobs)
+            merged.finish_reason = item.finish_reason
+            if item.finish_reason:
+                break
+        return merged

@@ -1,0 +1,304 @@
+"""DecodeService.DecodeMany: many Decode calls on one stream (the router's, per decode worker), and the router's
+side of it (services.router.decode_mux): same tokens as Decode calls, one message for a step's tokens of every
+request, each request ending on its own (cancel, deadline, refusal), and a fallback to Decode calls for workers
+without it."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+
+import grpc
+import pytest
+
+from pdserve.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from services.router.decode_mux import DecodeMux, MuxedDecode, StreamError
+from tests.services.inprocess import inprocess_cluster
+
+PROMPTS = [[5, 17, 230, 41, 9, 77], [12, 8, 301, 66], [99, 3, 150, 27, 88]]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    with inprocess_cluster(tiny_model_dir("llama"), prefill=[{"worker_id": "prefill-0"}],
+                           decode=[{"worker_id": "decode-0"}]) as c:
+        yield c
+
+
+def request(rid: str, prompt: list[int], max_tokens: int, *, prefill_here: bool = True) -> worker_pb2.DecodeRequest:
+    sampling = types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                    prefill_here=prefill_here)  # fmt: skip
+
+
+def open_(req: worker_pb2.DecodeRequest, timeout_s: float = 0.0) -> worker_pb2.DecodeManyRequest:
+    return worker_pb2.DecodeManyRequest(open=worker_pb2.DecodeOpen(request=req, timeout_s=timeout_s))
+
+
+class Stream:
+    """A DecodeMany call fed from a queue; ``close()`` ends the caller's side."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._outgoing: queue.Queue = queue.Queue()
+        stub = worker_pb2_grpc.DecodeServiceStub(self._channel)
+        self.responses = stub.DecodeMany(iter(self._outgoing.get, None), timeout=120)
+
+    def send(self, message: worker_pb2.DecodeManyRequest) -> None:
+        self._outgoing.put(message)
+
+    def close(self) -> None:
+        self._outgoing.put(None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        self.responses.cancel()
+        self._channel.close()
+
+
+def collect(stream: Stream, rids: set[str], on_update=None) -> tuple[dict, dict, list[int]]:
+    """Read until every request in ``rids`` ended: (tokens by id, status by id, updates per message)."""
+    tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+    statuses: dict[str, tuple[int, str]] = {}
+    sizes = []
+    open_ids = set(rids)
+    for response in stream.responses:
+        sizes.append(len(response.updates))
+        for update in response.updates:
+            if on_update is not None:
+                on_update(update)
+            if update.status_code:
+                statuses[update.request_id] = (update.status_code, update.status_details)
+                open_ids.discard(update.request_id)
+                continue
+            tokens.setdefault(update.request_id, []).extend(update.piece.token_ids)
+            if update.piece.finish_reason:
+                open_ids.discard(update.request_id)
+        if not open_ids:
+            break
+    return tokens, statuses, sizes
+
+
+def decode_alone(address: str, req: worker_pb2.DecodeRequest) -> list[int]:
+    with grpc.insecure_channel(address) as ch:
+        return [t for piece in worker_pb2_grpc.DecodeServiceStub(ch).Decode(req, timeout=60) for t in piece.token_ids]
+
+
+def test_requests_on_one_stream_equal_decode_calls_and_share_messages(cluster):
+    address = cluster.workers["decode-0"]
+    expected = {f"alone-{i}": decode_alone(address, request(f"alone-{i}", p, 24)) for i, p in enumerate(PROMPTS)}
+    with Stream(address) as stream:
+        for i, p in enumerate(PROMPTS):
+            stream.send(open_(request(f"many-{i}", p, 24)))
+        tokens, statuses, sizes = collect(stream, {f"many-{i}" for i in range(len(PROMPTS))})
+        stream.close()
+        assert list(stream.responses) == []  # the caller closed its side, nothing open: the stream ends
+    assert statuses == {}
+    assert [tokens[f"many-{i}"] for i in range(len(PROMPTS))] == [expected[f"alone-{i}"] for i in range(len(PROMPTS))]
+    assert all(len(t) == 24 for t in tokens.values())
+    # the three decode in one batch: their tokens of a step leave in one message
+    assert max(sizes) == len(PROMPTS)
+    assert len(sizes) < 24 * len(PROMPTS) / 2
+
+
+def test_each_request_ends_on_its_own(cluster):
+    """A refusal, a deadline and a cancel end one request each; the others go on."""
+    address = cluster.workers["decode-0"]
+    cancelled = threading.Event()
+    with Stream(address) as stream:
+        stream.send(open_(request("keeps-going", PROMPTS[0], 40)))
+        stream.send(open_(request("no-reservation", PROMPTS[1], 4, prefill_here=False)))
+        stream.send(open_(request("short-deadline", PROMPTS[2], 100_000), timeout_s=0.3))
+        stream.send(open_(request("cancelled", PROMPTS[2], 100_000)))
+
+        def on_update(update):
+            if update.request_id == "cancelled" and not cancelled.is_set():
+                cancelled.set()
+                stream.send(worker_pb2.DecodeManyRequest(cancel="cancelled"))
+
+        rids = {"keeps-going", "no-reservation", "short-deadline"}
+        tokens, statuses, _ = collect(stream, rids, on_update)
+    assert len(tokens["keeps-going"]) == 40
+    assert statuses["no-reservation"][0] == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "no KV reservation" in statuses["no-reservation"][1]
+    assert statuses["short-deadline"][0] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert "keeps-going" not in statuses and "cancelled" not in statuses
+    assert cancelled.is_set()
+    deadline = time.monotonic() + 10  # the cancelled and timed-out requests left the engine
+    while time.monotonic() < deadline and _running(cluster) != 0:
+        time.sleep(0.05)
+    assert _running(cluster) == 0
+
+
+def test_a_duplicate_open_is_refused(cluster):
+    with Stream(cluster.workers["decode-0"]) as stream:
+        stream.send(open_(request("twice", PROMPTS[0], 30)))
+        stream.send(open_(request("twice", PROMPTS[1], 30)))
+        seen = []
+        for response in stream.responses:
+            seen += response.updates
+            if any(u.piece.finish_reason for u in seen):
+                break
+    refused = [u for u in seen if u.status_code]
+    assert [(u.request_id, u.status_code) for u in refused] == [("twice", grpc.StatusCode.ALREADY_EXISTS.value[0])]
+    assert sum(len(u.piece.token_ids) for u in seen) == 30
+
+
+def _running(cluster) -> int:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{cluster.metrics['decode-0']}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith("pdserve:num_requests_running"):
+            return int(float(line.split()[-1]))
+    raise AssertionError("no pdserve:num_requests_running in /metrics")
+
+
+# -- the router's side ------------------------------------------------------------------------------------
+
+
+def test_router_mux_equals_decode_calls_and_cancels(cluster):
+    address = cluster.workers["decode-0"]
+    expected = [decode_alone(address, request(f"ref-{i}", p, 16)) for i, p in enumerate(PROMPTS)]
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as ch:
+            mux = DecodeMux(worker_pb2_grpc.DecodeServiceStub(ch), address)
+
+            async def run(i):
+                call = mux.decode(request(f"mux-{i}", PROMPTS[i], 16), timeout=60)
+                assert isinstance(call, MuxedDecode)
+                return [t async for piece in call for t in piece.token_ids]
+
+            got = await asyncio.gather(*(run(i) for i in range(len(PROMPTS))))
+            # a client that leaves: cancel() mid-stream stops the request on the worker
+            call = mux.decode(request("leaves", PROMPTS[0], 100_000), timeout=60)
+            async for piece in call:
+                if piece.token_ids:
+                    break
+            assert call.cancel()
+            # a deadline that passes while the worker still decodes
+            late = mux.decode(request("late", PROMPTS[1], 100_000), timeout=0.3)
+            with pytest.raises(StreamError) as err:
+                async for _ in late:
+                    pass
+            assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            mux.close()
+            return got
+
+    assert asyncio.run(main()) == expected
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(cluster) != 0:
+        time.sleep(0.05)
+    assert _running(cluster) == 0
+
+
+class _DecodeOnly(worker_pb2_grpc.DecodeServiceServicer):
+    """A decode worker of an older version: Decode calls; DecodeMany is not registered (UNIMPLEMENTED)."""
+
+    async def Decode(self, request, context):
+        for t in range(request.sampling.max_tokens):
+            last = t == request.sampling.max_tokens - 1
+            yield worker_pb2.DecodeResponse(token_ids=[100 + t],
+                                            finish_reason=types_pb2.FINISH_REASON_LENGTH if last else 0)
+
+
+class _Breaks(worker_pb2_grpc.DecodeServiceServicer):
+    """A worker whose DecodeMany fails after the first step (as a crash would end it)."""
+
+    async def DecodeMany(self, request_iterator, context):
+        opened = []
+        async for message in request_iterator:
+            opened.append(message.open.request.request_id)
+            if len(opened) == 2:
+                break
+        yield worker_pb2.DecodeManyResponse(updates=[
+            worker_pb2.DecodeUpdate(request_id=rid, piece=worker_pb2.DecodeResponse(token_ids=[7])) for rid in opened])
+        await asyncio.sleep(0.1)
+        await context.abort(grpc.StatusCode.INTERNAL, "worker broke")
+
+
+async def _serve(servicer):
+    server = grpc.aio.server()
+    if isinstance(servicer, _DecodeOnly):
+        handler = grpc.unary_stream_rpc_method_handler(servicer.Decode, worker_pb2.DecodeRequest.FromString,
+                                                       worker_pb2.DecodeResponse.SerializeToString)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.DecodeService",
+                                                                              {"Decode": handler}),))
+    else:
+        worker_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_router_mux_falls_back_to_decode_calls_on_an_older_worker():
+    async def main():
+        server, address = await _serve(_DecodeOnly())
+        try:
+            async with grpc.aio.insecure_channel(address) as ch:
+                mux = DecodeMux(worker_pb2_grpc.DecodeServiceStub(ch), address)
+                async def tokens(call):
+                    return [t async for p in call for t in p.token_ids]
+
+                calls = [mux.decode(request(f"r{i}", [1, 2], 3 + i), timeout=10) for i in range(2)]
+                got = await asyncio.gather(*(tokens(c) for c in calls))
+                assert not mux.supported
+                later = mux.decode(request("later", [1], 2), timeout=10)  # straight to a Decode call
+                assert not isinstance(later, MuxedDecode)
+                return got, await tokens(later)
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(main()) == ([[100, 101, 102], [100, 101, 102, 103]], [100, 101])
+
+
+def test_router_mux_fails_every_request_when_the_stream_breaks_then_reopens():
+    async def main():
+        server, address = await _serve(_Breaks())
+        try:
+            async with grpc.aio.insecure_channel(address) as ch:
+                mux = DecodeMux(worker_pb2_grpc.DecodeServiceStub(ch), address)
+
+                async def run(rid):
+                    got = []
+                    try:
+                        async for piece in mux.decode(request(rid, [1], 5), timeout=10):
+                            got += piece.token_ids
+                    except grpc.RpcError as exc:
+                        return got, exc.code(), exc.details()
+                    return got, None, ""
+
+                first = await asyncio.gather(run("a"), run("b"))
+                again = await asyncio.gather(run("c"), run("d"))  # a new stream for the next requests
+                return first, again
+        finally:
+            await server.stop(None)
+
+    first, again = asyncio.run(main())
+    assert first == [([7], grpc.StatusCode.INTERNAL, "worker broke")] * 2
+    assert again == first
+
+
+def test_lagging_pieces_merge_into_one():
+    """What queued while the client lagged leaves as one piece; an error queued behind it comes next."""
+
+    async def main():
+        mux = DecodeMux(stub=None, address="nowhere")
+        call = MuxedDecode(mux, request("lag", [1], 5), timeout=5, metadata=())
+        call._queue = q = asyncio.Queue()
+        for t in (1, 2, 3):
+            q.put_nowait(worker_pb2.DecodeResponse(token_ids=[t], text=f"<{t}>"))
+        q.put_nowait(StreamError(grpc.StatusCode.UNAVAILABLE, "gone"))
+        merged = await call._next()
+        error = await call._next()
+        return merged, error
+
+    merged, error = asyncio.run(main())
+    assert list(merged.token_ids) == [1, 2, 3] and merged.text == "<1><2><3>"
+    assert isinstance(error, StreamError) and error.code() is grpc.StatusCode.UNAVAILABLE
