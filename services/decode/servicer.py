@@ -87,6 +87,26 @@ class _StreamContext:
         raise _StreamAbort(code, details)
 
 
+def _merge_updates(updates: list[worker_pb2.DecodeUpdate]) -> list[worker_pb2.DecodeUpdate]:
+    """One update per request: the pieces a request queued while the caller lagged, joined (tokens, text and
+    logprobs; the last one's finish_reason), its status after them. Requests keep their first update's order."""
+    if len({u.request_id for u in updates}) == len(updates):
+        return updates
+    merged: dict[str, worker_pb2.DecodeUpdate] = {}
+    for update in updates:
+        into = merged.get(update.request_id)
+        if into is None:
+            merged[update.request_id] = update
+        elif update.status_code:
+            into.status_code, into.status_details = update.status_code, update.status_details
+        else:
+            into.piece.token_ids.extend(update.piece.token_ids)
+            into.piece.text += update.piece.text
+            into.piece.logprobs.extend(update.piece.logprobs)
+            into.piece.finish_reason = update.piece.finish_reason
+    return list(merged.values())
+
+
 def _status_update(rid: str, code: grpc.StatusCode, details: str) -> worker_pb2.DecodeUpdate:
     return worker_pb2.DecodeUpdate(request_id=rid, status_code=code.value[0], status_details=details)
 
@@ -353,9 +373,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         """Decode calls multiplexed on one stream (a router's, to this worker). Each opened request runs as its
         own Decode call would, on a task of this event loop, and puts its pieces in one outbox; each message takes
         the whole outbox, so one step's tokens of every request leave together: one message and one write a step
-        instead of one per request and token. A request reads its engine stream again only once the outbox gave
-        its last piece away, so when the caller lags its tokens merge into one piece as in a Decode call."""
-        opened: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}  # request id -> its task, "piece sent"
+        instead of one per request and token. When the caller lags, the pieces a request queued meanwhile leave
+        merged into one (:func:`_merge_updates`), as a Decode call's would."""
+        opened: dict[str, asyncio.Task] = {}  # request id -> its task
         outbox: list[worker_pb2.DecodeUpdate] = []
         ready = asyncio.Event()
         reading = True
@@ -364,7 +384,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             outbox.append(update)
             ready.set()
 
-        async def run(rid: str, open_: worker_pb2.DecodeOpen, sent: asyncio.Event) -> None:
+        async def run(rid: str, open_: worker_pb2.DecodeOpen) -> None:
             ctx = _StreamContext(open_.trace_context)
             try:
                 async with asyncio.timeout(open_.timeout_s if open_.timeout_s > 0 else None):
@@ -372,9 +392,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                         async with aclosing(self._decode(open_.request, ctx)) as pieces:
                             async for piece in pieces:
                                 put(worker_pb2.DecodeUpdate(request_id=rid, piece=piece))
-                                if not piece.finish_reason:
-                                    await sent.wait()
-                                    sent.clear()
             except _StreamAbort as exc:
                 put(_status_update(rid, exc.code, exc.details))
             except TimeoutError:
@@ -383,7 +400,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 log.exception("decode of %s failed", rid)
                 put(_status_update(rid, grpc.StatusCode.INTERNAL, f"decode failed: {exc}"))
             finally:
-                if opened.get(rid, (None,))[0] is asyncio.current_task():
+                if opened.get(rid) is asyncio.current_task():
                     del opened[rid]
                 ready.set()
 
@@ -397,10 +414,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                             put(_status_update(rid, grpc.StatusCode.ALREADY_EXISTS,
                                                f"request {rid} is already open on this stream"))
                             continue
-                        sent = asyncio.Event()
-                        opened[rid] = (asyncio.create_task(run(rid, message.open, sent)), sent)
+                        opened[rid] = asyncio.create_task(run(rid, message.open))
                     elif message.cancel:
-                        task, _ = opened.pop(message.cancel, (None, None))
+                        task = opened.pop(message.cancel, None)
                         if task is not None:
                             task.cancel()
             finally:
@@ -418,17 +434,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                     pass
                 ready.clear()
                 if outbox:
-                    updates = outbox[:]
+                    updates = _merge_updates(outbox[:])
                     outbox.clear()
-                    for update in updates:
-                        if update.request_id in opened:
-                            opened[update.request_id][1].set()
                     yield worker_pb2.DecodeManyResponse(updates=updates)
                 if not opened and not outbox and (not reading or self.draining()):
                     return
         finally:
             reader.cancel()
-            for task, _ in list(opened.values()):
+            for task in list(opened.values()):
                 task.cancel()
 
     def _abort_soon(self, rid: str) -> None:

@@ -108,14 +108,14 @@ class DecodeMux:
                     queue = self._waiting.get(update.request_id)
                     if queue is None:  # cancelled meanwhile
                         continue
+                    piece = update.piece
+                    if piece.token_ids or piece.text or piece.finish_reason or not update.status_code:
+                        queue.put_nowait(piece)  # (tokens merged ahead of a status come first)
                     if update.status_code:
-                        del self._waiting[update.request_id]
                         code = _CODES.get(update.status_code, grpc.StatusCode.UNKNOWN)
                         queue.put_nowait(StreamError(code, update.status_details))
-                    else:
-                        queue.put_nowait(update.piece)
-                        if update.piece.finish_reason:
-                            del self._waiting[update.request_id]
+                    if update.status_code or piece.finish_reason:
+                        del self._waiting[update.request_id]
             error = StreamError(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address} ended the stream")
         except grpc.RpcError as exc:
             code = exc.code()

@@ -302,3 +302,43 @@ def test_lagging_pieces_merge_into_one():
     merged, error = asyncio.run(main())
     assert list(merged.token_ids) == [1, 2, 3] and merged.text == "<1><2><3>"
     assert isinstance(error, StreamError) and error.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_lagging_callers_updates_merge_per_request_and_keep_a_status_after_the_tokens():
+    from services.decode.servicer import _merge_updates, _status_update
+
+    def piece(rid, tokens, finish=0):
+        return worker_pb2.DecodeUpdate(request_id=rid, piece=worker_pb2.DecodeResponse(
+            token_ids=tokens, text="".join(f"<{t}>" for t in tokens), finish_reason=finish))
+
+    updates = [piece("a", [1]), piece("b", [10]), piece("a", [2]), piece("b", [11], types_pb2.FINISH_REASON_LENGTH),
+               piece("a", [3]), _status_update("a", grpc.StatusCode.UNAVAILABLE, "engine stopped")]
+    merged = _merge_updates(updates)
+    assert [(u.request_id, list(u.piece.token_ids), u.piece.text, u.piece.finish_reason, u.status_code)
+            for u in merged] == [("a", [1, 2, 3], "<1><2><3>", 0, grpc.StatusCode.UNAVAILABLE.value[0]),
+                                 ("b", [10, 11], "<10><11>", types_pb2.FINISH_REASON_LENGTH, 0)]  # fmt: skip
+    assert _merge_updates(updates[:2]) == updates[:2]
+
+    class _OneMessage:  # the router reads the merged "a": its tokens, then its status
+        def __init__(self):
+            self.sent = False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.sent:
+                raise StopAsyncIteration
+            self.sent = True
+            return worker_pb2.DecodeManyResponse(updates=merged[:1])
+
+    async def main():
+        mux = DecodeMux(stub=None, address="nowhere")
+        queue_ = asyncio.Queue()
+        mux._waiting["a"] = queue_
+        await mux._read(_OneMessage(), asyncio.Queue())
+        return [queue_.get_nowait() for _ in range(queue_.qsize())]
+
+    first, error = asyncio.run(main())
+    assert list(first.token_ids) == [1, 2, 3]
+    assert isinstance(error, StreamError) and error.details() == "engine stopped"
