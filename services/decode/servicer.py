@@ -437,8 +437,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                     updates = _merge_updates(outbox[:])
                     outbox.clear()
                     yield worker_pb2.DecodeManyResponse(updates=updates)
-                if not opened and not outbox and (not reading or self.draining()):
-                    return
+                if not opened and not outbox and (not reading or (self.draining() and not self._reservations)):
+                    return  # (a draining worker keeps the stream while a reservation may still open on it)
         finally:
             reader.cancel()
             for task in list(opened.values()):
