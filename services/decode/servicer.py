@@ -423,6 +423,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 reading = False
                 ready.set()
 
+        await context.send_initial_metadata(())  # the caller writes once it knows this worker has the method
         reader = asyncio.create_task(read())
         log.info("DecodeMany stream from %s opened", context.peer())
         try:

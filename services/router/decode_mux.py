@@ -74,8 +74,9 @@ class DecodeMux:
         self._waiting[rid] = queue
         if self._call is None:
             self._outgoing = asyncio.Queue()
-            self._call = self.stub.DecodeMany(self._requests(self._outgoing))
-            self._reader = asyncio.get_running_loop().create_task(self._read(self._call, self._outgoing))
+            started = asyncio.Event()
+            self._call = self.stub.DecodeMany(self._requests(self._outgoing, started))
+            self._reader = asyncio.get_running_loop().create_task(self._read(self._call, self._outgoing, started))
         self._outgoing.put_nowait(message)
         return queue
 
@@ -90,18 +91,22 @@ class DecodeMux:
             del self._waiting[rid]
 
     @staticmethod
-    async def _requests(outgoing: asyncio.Queue) -> AsyncIterator[worker_pb2.DecodeManyRequest]:
-        while True:
+    async def _requests(outgoing: asyncio.Queue, started: asyncio.Event) -> AsyncIterator[worker_pb2.DecodeManyRequest]:
+        await started.wait()  # nothing is written before the worker's headers: a worker without the method then
+        while True:  # ends the call with UNIMPLEMENTED alone (a write racing that answer turned it into INTERNAL)
             message = await outgoing.get()
             if message is _END:
                 return
             yield message
 
-    async def _read(self, call, outgoing: asyncio.Queue) -> None:
+    async def _read(self, call, outgoing: asyncio.Queue, started: asyncio.Event) -> None:
         """Hand each update to its request's queue until the stream ends; then end every request still on it."""
         error: StreamError | _Unsupported
         received = False
         try:
+            await call.initial_metadata()  # the worker's DecodeMany sends them at once; an error ends the call first
+            if not call.done():
+                started.set()
             async for response in call:
                 received = True
                 for update in response.updates:

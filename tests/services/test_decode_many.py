@@ -212,6 +212,7 @@ class _Breaks(worker_pb2_grpc.DecodeServiceServicer):
     """A worker whose DecodeMany fails after the first step (as a crash would end it)."""
 
     async def DecodeMany(self, request_iterator, context):
+        await context.send_initial_metadata(())  # as pdserve's workers do: the router writes after them
         opened = []
         async for message in request_iterator:
             opened.append(message.open.request.request_id)
@@ -323,6 +324,12 @@ def test_a_lagging_callers_updates_merge_per_request_and_keep_a_status_after_the
         def __init__(self):
             self.sent = False
 
+        async def initial_metadata(self):
+            return ()
+
+        def done(self):
+            return self.sent
+
         def __aiter__(self):
             return self
 
@@ -336,7 +343,7 @@ def test_a_lagging_callers_updates_merge_per_request_and_keep_a_status_after_the
         mux = DecodeMux(stub=None, address="nowhere")
         queue_ = asyncio.Queue()
         mux._waiting["a"] = queue_
-        await mux._read(_OneMessage(), asyncio.Queue())
+        await mux._read(_OneMessage(), asyncio.Queue(), asyncio.Event())
         return [queue_.get_nowait() for _ in range(queue_.qsize())]
 
     first, error = asyncio.run(main())
