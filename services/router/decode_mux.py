@@ -27,7 +27,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-_END = object()  # the stream ended (it was replaced by a status of its own)
+_END = object()  # the stream ended: nothing more to write
 
 
 class StreamError(grpc.RpcError):
@@ -57,7 +57,7 @@ class DecodeMux:
         self.supported = True  # False once the worker answered UNIMPLEMENTED: plain Decode calls from then on
         self._call = None
         self._reader: asyncio.Task | None = None
-        self._outgoing: asyncio.Queue | None = None
+        self._outgoing: _Outgoing | None = None
         self._waiting: dict[str, asyncio.Queue] = {}  # request id -> its pieces (and errors)
 
     def decode(self, request: worker_pb2.DecodeRequest, *, timeout: float,
@@ -73,40 +73,26 @@ class DecodeMux:
         queue: asyncio.Queue = asyncio.Queue()
         self._waiting[rid] = queue
         if self._call is None:
-            self._outgoing = asyncio.Queue()
-            started = asyncio.Event()
-            self._call = self.stub.DecodeMany(self._requests(self._outgoing, started))
-            self._reader = asyncio.get_running_loop().create_task(self._read(self._call, self._outgoing, started))
-        self._outgoing.put_nowait(message)
+            self._outgoing = _Outgoing()
+            self._call = self.stub.DecodeMany(self._outgoing.messages())
+            self._reader = asyncio.get_running_loop().create_task(self._read(self._call, self._outgoing))
+        self._outgoing.put(message)
         return queue
 
     def _cancel(self, rid: str, queue: asyncio.Queue) -> None:
         if self._waiting.get(rid) is queue:
             del self._waiting[rid]
             if self._outgoing is not None:
-                self._outgoing.put_nowait(worker_pb2.DecodeManyRequest(cancel=rid))
+                self._outgoing.put(worker_pb2.DecodeManyRequest(cancel=rid))
 
-    def _done(self, rid: str, queue: asyncio.Queue) -> None:
-        if self._waiting.get(rid) is queue:
-            del self._waiting[rid]
-
-    @staticmethod
-    async def _requests(outgoing: asyncio.Queue, started: asyncio.Event) -> AsyncIterator[worker_pb2.DecodeManyRequest]:
-        await started.wait()  # nothing is written before the worker's headers: a worker without the method then
-        while True:  # ends the call with UNIMPLEMENTED alone (a write racing that answer turned it into INTERNAL)
-            message = await outgoing.get()
-            if message is _END:
-                return
-            yield message
-
-    async def _read(self, call, outgoing: asyncio.Queue, started: asyncio.Event) -> None:
+    async def _read(self, call, outgoing: _Outgoing) -> None:
         """Hand each update to its request's queue until the stream ends; then end every request still on it."""
         error: StreamError | _Unsupported
         received = False
         try:
             await call.initial_metadata()  # the worker's DecodeMany sends them at once; an error ends the call first
             if not call.done():
-                started.set()
+                outgoing.start()
             async for response in call:
                 received = True
                 for update in response.updates:
@@ -134,7 +120,7 @@ class DecodeMux:
         finally:
             if self._call is call:
                 self._call = self._outgoing = None
-            outgoing.put_nowait(_END)
+            outgoing.close()
         waiting, self._waiting = self._waiting, {}
         for queue in waiting.values():
             queue.put_nowait(error)
@@ -143,6 +129,36 @@ class DecodeMux:
         """End the stream (the router stops); the requests still on it fail as if the worker went away."""
         if self._call is not None:
             self._call.cancel()
+
+
+class _Outgoing:
+    """What the router writes on one DecodeMany stream: nothing before the worker's headers (a worker without the
+    method then ends the call with UNIMPLEMENTED alone; a write racing that answer made gRPC report INTERNAL),
+    nothing after the stream ended."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._started = asyncio.Event()
+        self._closed = False
+
+    def put(self, message: worker_pb2.DecodeManyRequest) -> None:
+        self._queue.put_nowait(message)
+
+    def start(self) -> None:
+        self._started.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._started.set()
+        self._queue.put_nowait(_END)
+
+    async def messages(self) -> AsyncIterator[worker_pb2.DecodeManyRequest]:
+        await self._started.wait()
+        while not self._closed:
+            message = await self._queue.get()
+            if message is _END or self._closed:
+                return
+            yield message
 
 
 class MuxedDecode:

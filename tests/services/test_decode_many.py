@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from services.router.decode_mux import DecodeMux, MuxedDecode, StreamError
+from services.router.decode_mux import DecodeMux, MuxedDecode, StreamError, _Outgoing
 from tests.services.inprocess import inprocess_cluster
 
 PROMPTS = [[5, 17, 230, 41, 9, 77], [12, 8, 301, 66], [99, 3, 150, 27, 88]]
@@ -343,7 +343,7 @@ def test_a_lagging_callers_updates_merge_per_request_and_keep_a_status_after_the
         mux = DecodeMux(stub=None, address="nowhere")
         queue_ = asyncio.Queue()
         mux._waiting["a"] = queue_
-        await mux._read(_OneMessage(), asyncio.Queue(), asyncio.Event())
+        await mux._read(_OneMessage(), _Outgoing())
         return [queue_.get_nowait() for _ in range(queue_.qsize())]
 
     first, error = asyncio.run(main())
