@@ -419,6 +419,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                         task = opened.pop(message.cancel, None)
                         if task is not None:
                             task.cancel()
+            except grpc.RpcError as exc:  # the caller's side broke: the call itself ends with it
+                log.debug("DecodeMany requests ended: %s", exc)
             finally:
                 reading = False
                 ready.set()
