@@ -162,16 +162,19 @@ class _Outgoing:
 
 
 class MuxedDecode:
-    """One request's Decode call on a :class:`DecodeMux`: iterate it once; ``cancel()`` from anywhere."""
+    """One request's Decode call on a :class:`DecodeMux`: iterate it once; ``cancel()`` from anywhere. Like a
+    Decode call it starts when made (on the event loop), not when first read: the router makes it before the
+    first token goes out, so the worker's reservation never waits on the client."""
 
     def __init__(self, mux: DecodeMux, request, timeout: float, metadata: Sequence[tuple[str, str]]) -> None:
         self._mux = mux
         self._request = request
         self._deadline = time.monotonic() + timeout
         self._metadata = tuple(metadata)
-        self._queue: asyncio.Queue | None = None
         self._fallback = None  # the plain Decode call, when the worker has no DecodeMany
         self._cancelled = self._finished = False
+        self._queue: asyncio.Queue = mux._open(request.request_id, worker_pb2.DecodeManyRequest(
+            open=worker_pb2.DecodeOpen(request=request, timeout_s=timeout, trace_context=dict(self._metadata))))
 
     def cancel(self) -> bool:
         if self._fallback is not None:
@@ -179,40 +182,34 @@ class MuxedDecode:
         if self._cancelled or self._finished:
             return False
         self._cancelled = True
-        if self._queue is not None:
-            self._mux._cancel(self._request.request_id, self._queue)
+        self._mux._cancel(self._request.request_id, self._queue)
         return True
 
     def __aiter__(self):
         return self._pieces()
 
     async def _pieces(self):
-        rid = self._request.request_id
         if self._cancelled:
             raise StreamError(grpc.StatusCode.CANCELLED, "cancelled")
-        if self._mux.supported:
-            timeout_s = max(0.001, self._deadline - time.monotonic())
-            self._queue = self._mux._open(rid, worker_pb2.DecodeManyRequest(open=worker_pb2.DecodeOpen(
-                request=self._request, timeout_s=timeout_s, trace_context=dict(self._metadata))))
-            unsupported = False
-            try:
-                while True:
-                    item = await self._next()
-                    if isinstance(item, _Unsupported):
-                        unsupported = True
-                        break
-                    if isinstance(item, BaseException):
-                        self._finished = True
-                        raise item
-                    if item.finish_reason:
-                        self._finished = True
-                    yield item
-                    if self._finished:
-                        return
-            finally:
-                if not self._finished and not unsupported:  # the client left, or this task was cancelled
-                    self.cancel()
-        # the worker has no DecodeMany (it answered before anything of this request): a Decode call of its own
+        unsupported = False
+        try:
+            while True:
+                item = await self._next()
+                if isinstance(item, _Unsupported):
+                    unsupported = True
+                    break
+                if isinstance(item, BaseException):
+                    self._finished = True
+                    raise item
+                if item.finish_reason:
+                    self._finished = True
+                yield item
+                if self._finished:
+                    return
+        finally:
+            if not self._finished and not unsupported:  # the client left, or this task was cancelled
+                self.cancel()
+        # here the worker has no DecodeMany (it answered before anything of this request): a Decode call instead
         self._fallback = self._mux.stub.Decode(self._request, timeout=max(0.001, self._deadline - time.monotonic()),
                                                metadata=self._metadata)  # fmt: skip
         async for piece in self._fallback:

@@ -198,6 +198,27 @@ def test_router_mux_equals_decode_calls_and_cancels(cluster):
     assert _running(cluster) == 0
 
 
+def test_router_mux_starts_a_request_when_made_not_when_read(cluster):
+    """As a Decode call does: the router makes the call before the first token goes out to the client, and the
+    worker's reservation must not wait for the client to take that token."""
+    address = cluster.workers["decode-0"]
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as ch:
+            mux = DecodeMux(worker_pb2_grpc.DecodeServiceStub(ch), address)
+            call = mux.decode(request("eager", PROMPTS[0], 100_000), timeout=60)
+            deadline = time.monotonic() + 10
+            running = 0
+            while time.monotonic() < deadline and running == 0:
+                await asyncio.sleep(0.05)
+                running = await asyncio.to_thread(_running, cluster)
+            call.cancel()
+            mux.close()
+            return running
+
+    assert asyncio.run(main()) == 1
+
+
 class _DecodeOnly(worker_pb2_grpc.DecodeServiceServicer):
     """A decode worker of an older version: Decode calls; DecodeMany is not registered (UNIMPLEMENTED)."""
 
@@ -289,10 +310,13 @@ def test_router_mux_fails_every_request_when_the_stream_breaks_then_reopens():
 def test_lagging_pieces_merge_into_one():
     """What queued while the client lagged leaves as one piece; an error queued behind it comes next."""
 
+    class _NoStream(DecodeMux):  # the request's queue without a worker behind it
+        def _open(self, rid, message):
+            return asyncio.Queue()
+
     async def main():
-        mux = DecodeMux(stub=None, address="nowhere")
-        call = MuxedDecode(mux, request("lag", [1], 5), timeout=5, metadata=())
-        call._queue = q = asyncio.Queue()
+        call = MuxedDecode(_NoStream(stub=None, address="nowhere"), request("lag", [1], 5), timeout=5, metadata=())
+        q = call._queue
         for t in (1, 2, 3):
             q.put_nowait(worker_pb2.DecodeResponse(token_ids=[t], text=f"<{t}>"))
         q.put_nowait(StreamError(grpc.StatusCode.UNAVAILABLE, "gone"))
