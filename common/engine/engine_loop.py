@@ -81,20 +81,18 @@ class RequestStream:
         """Queue ``out``; an async reader waiting is woken now, or with the rest of ``wakes`` (a step's outputs:
         see :func:`_wake_all`)."""
         self._queue.put(out)
-        if wakes is None:
-            self._wake()
-        elif self._waiter is not None:
-            waiter, self._waiter = self._waiter, None
-            wakes.append(waiter)
+        self._wake(wakes)
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._queue.put(self._END)
         self._wake()
 
-    def _wake(self) -> None:
+    def _wake(self, wakes: list | None = None) -> None:
         waiter, self._waiter = self._waiter, None
-        if waiter is not None:
+        if waiter is not None and wakes is not None:
+            wakes.append(waiter)
+        elif waiter is not None:
             loop, future = waiter
             try:
                 loop.call_soon_threadsafe(_resolve, future)

@@ -70,6 +70,15 @@ def logprobs_to_proto(logprobs: Sequence[TokenLogprobs | None] | None) -> list[t
     ]
 
 
+def extend_decode_piece(into, piece) -> None:
+    """Append ``piece``, a later ``DecodeResponse`` of the same request, to ``into``: its tokens, text and
+    logprobs, and its finish_reason (one message for what a lagging reader missed)."""
+    into.token_ids.extend(piece.token_ids)
+    into.text += piece.text
+    into.logprobs.extend(piece.logprobs)
+    into.finish_reason = piece.finish_reason
+
+
 def identity_to_proto(identity: ModelIdentity) -> types_pb2.ModelIdentity:
     return types_pb2.ModelIdentity(**identity.__dict__)
 

@@ -100,10 +100,7 @@ def _merge_updates(updates: list[worker_pb2.DecodeUpdate]) -> list[worker_pb2.De
         elif update.status_code:
             into.status_code, into.status_details = update.status_code, update.status_details
         else:
-            into.piece.token_ids.extend(update.piece.token_ids)
-            into.piece.text += update.piece.text
-            into.piece.logprobs.extend(update.piece.logprobs)
-            into.piece.finish_reason = update.piece.finish_reason
+            convert.extend_decode_piece(into.piece, update.piece)
     return list(merged.values())
 
 

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from common.rpc.convert import extend_decode_piece
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -125,11 +126,6 @@ class DecodeMux:
         for queue in waiting.values():
             queue.put_nowait(error)
 
-    def close(self) -> None:
-        """End the stream (the router stops); the requests still on it fail as if the worker went away."""
-        if self._call is not None:
-            self._call.cancel()
-
 
 class _Outgoing:
     """What the router writes on one DecodeMany stream: nothing before the worker's headers (a worker without the
@@ -175,6 +171,14 @@ class MuxedDecode:
         self._cancelled = self._finished = False
         self._queue: asyncio.Queue = mux._open(request.request_id, worker_pb2.DecodeManyRequest(
             open=worker_pb2.DecodeOpen(request=request, timeout_s=timeout, trace_context=dict(self._metadata))))
+        loop = asyncio.get_running_loop()  # the worker keeps the deadline too; this one holds if it is stuck
+        self._expiry = loop.call_at(loop.time() + timeout, self._expire)
+
+    def _expire(self) -> None:
+        """The deadline passed: the worker is told to stop, the reader gets DEADLINE_EXCEEDED next."""
+        if not self._finished and not self._cancelled:
+            self._mux._cancel(self._request.request_id, self._queue)
+            self._queue.put_nowait(StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
     def cancel(self) -> bool:
         if self._fallback is not None:
@@ -182,6 +186,7 @@ class MuxedDecode:
         if self._cancelled or self._finished:
             return False
         self._cancelled = True
+        self._expiry.cancel()
         self._mux._cancel(self._request.request_id, self._queue)
         return True
 
@@ -207,6 +212,7 @@ class MuxedDecode:
                 if self._finished:
                     return
         finally:
+            self._expiry.cancel()
             if not self._finished and not unsupported:  # the client left, or this task was cancelled
                 self.cancel()
         # here the worker has no DecodeMany (it answered before anything of this request): a Decode call instead
@@ -218,15 +224,7 @@ class MuxedDecode:
     async def _next(self):
         """The next piece, merged with every piece queued behind it (the client lagged), or an error."""
         queue = self._queue
-        if queue.empty():
-            try:
-                async with asyncio.timeout(self._deadline - time.monotonic()):
-                    first = await queue.get()
-            except TimeoutError:  # the worker may be stuck: it is told to stop too
-                self._mux._cancel(self._request.request_id, queue)
-                return StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        else:
-            first = queue.get_nowait()
+        first = await queue.get()
         if isinstance(first, BaseException) or first.finish_reason or queue.empty():
             return first
         merged = worker_pb2.DecodeResponse()
@@ -236,10 +234,7 @@ class MuxedDecode:
             if isinstance(item, BaseException):
                 break
             queue.get_nowait()
-            merged.token_ids.extend(item.token_ids)
-            merged.text += item.text
-            merged.logprobs.extend(item.logprobs)
-            merged.finish_reason = item.finish_reason
+            extend_decode_piece(merged, item)
             if item.finish_reason:
                 break
         return merged

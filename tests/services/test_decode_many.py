@@ -188,7 +188,6 @@ def test_router_mux_equals_decode_calls_and_cancels(cluster):
                 async for _ in late:
                     pass
             assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-            mux.close()
             return got
 
     assert asyncio.run(main()) == expected
@@ -213,7 +212,6 @@ def test_router_mux_starts_a_request_when_made_not_when_read(cluster):
                 await asyncio.sleep(0.05)
                 running = await asyncio.to_thread(_running, cluster)
             call.cancel()
-            mux.close()
             return running
 
     assert asyncio.run(main()) == 1
@@ -243,6 +241,42 @@ class _Breaks(worker_pb2_grpc.DecodeServiceServicer):
             worker_pb2.DecodeUpdate(request_id=rid, piece=worker_pb2.DecodeResponse(token_ids=[7])) for rid in opened])
         await asyncio.sleep(0.1)
         await context.abort(grpc.StatusCode.INTERNAL, "worker broke")
+
+
+class _Stuck(worker_pb2_grpc.DecodeServiceServicer):
+    """A worker that takes requests and never answers them (it hangs); it records what the router sent."""
+
+    def __init__(self):
+        self.received = []
+
+    async def DecodeMany(self, request_iterator, context):
+        await context.send_initial_metadata(())
+        async for message in request_iterator:
+            self.received.append(message.WhichOneof("kind"))
+        yield worker_pb2.DecodeManyResponse()
+
+
+def test_router_mux_ends_a_request_at_its_deadline_when_the_worker_hangs():
+    stuck = _Stuck()
+
+    async def main():
+        server, address = await _serve(stuck)
+        try:
+            async with grpc.aio.insecure_channel(address) as ch:
+                mux = DecodeMux(worker_pb2_grpc.DecodeServiceStub(ch), address)
+                t0 = time.monotonic()
+                with pytest.raises(StreamError) as err:
+                    async for _ in mux.decode(request("hung", [1], 5), timeout=0.3):
+                        pass
+                took = time.monotonic() - t0
+                await asyncio.sleep(0.1)  # the cancel reaches the worker
+                return err.value.code(), took
+        finally:
+            await server.stop(None)
+
+    code, took = asyncio.run(main())
+    assert code is grpc.StatusCode.DEADLINE_EXCEEDED and 0.25 <= took < 2
+    assert stuck.received == ["open", "cancel"]
 
 
 async def _serve(servicer):
