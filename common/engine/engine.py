@@ -109,7 +109,8 @@ class LLMEngine(KVHandoffMixin):
                 fuse_rope_attention(loaded.model)
         self.block_pool = BlockPool(num_blocks)
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels,
+                                  flat_forward=config.flat_forward)
         self.scheduler = Scheduler(
             self.block_pool,
             config.block_size,

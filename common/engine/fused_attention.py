@@ -47,17 +47,22 @@ class RopeAttention(torch.nn.Module):
                 attention_mask: torch.Tensor | None = None, cache=None, **kwargs):  # fmt: skip
         inner = self.inner
         shape = hidden_states.shape[:-1]
-        qkv = self._qkv[0].linear(hidden_states)  # a fresh tensor: rotated in place
-        cos, sin = position_embeddings
-        torch.ops.pdserve.rotary_(qkv, cos, sin, *self.heads)
-        d = self.heads[2]
-        q, k, v = (part.view(*shape, -1, d).transpose(1, 2) for part in qkv.split(self.splits, dim=-1))
+        q, k, v = self.project(hidden_states, position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(inner.config._attn_implementation, self.eager)
         out, weights = interface(inner, q, k, v, attention_mask, dropout=0.0, scaling=inner.scaling, **self.extra,
                                  **kwargs)  # fmt: skip
         return inner.o_proj(out.reshape(*shape, -1).contiguous()), weights
+
+    def project(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
+        """The rotated query and key and the value, [batch, heads, tokens, head size] views of one product."""
+        shape = hidden_states.shape[:-1]
+        qkv = self._qkv[0].linear(hidden_states)  # a fresh tensor: rotated in place
+        cos, sin = position_embeddings
+        torch.ops.pdserve.rotary_(qkv, cos, sin, *self.heads)
+        d = self.heads[2]
+        return [part.view(*shape, -1, d).transpose(1, 2) for part in qkv.split(self.splits, dim=-1)]
 
 
 def fuse_rope_attention(model: torch.nn.Module) -> int:

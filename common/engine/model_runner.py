@@ -7,13 +7,17 @@ shared by every layer (see :mod:`common.engine.attention`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from common.engine.attention import METADATA_KWARG, AttentionGroup, AttentionMetadata
+from common.engine.flat_forward import FlatForward
 from common.engine.kv_cache import PagedKVCache
 from common.engine.request import Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,15 +33,22 @@ class ModelRunner:
     """Owns the model and the KV cache on the device; one :meth:`run` per engine step."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device, decode_kernel: bool = False
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        device: torch.device,
+        decode_kernel: bool = False,
+        flat_forward: bool = True,
     ) -> None:
         """``decode_kernel``: decode groups carry their block table and lengths for
-        ``torch.ops.pdserve.paged_decode_attention`` (the caller checked that the kernel loaded)."""
+        ``torch.ops.pdserve.paged_decode_attention`` (the caller checked that the kernel loaded).
+        ``flat_forward``: run the model through :class:`~common.engine.flat_forward.FlatForward` where it fits."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
         self.device = device
         self.decode_kernel = decode_kernel
+        self.flat = FlatForward.of(model) if flat_forward else None  # the layer loop without the module tree
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
         if all(n == 1 for _, n in scheduled):
@@ -147,18 +158,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
-        """Forward the packed batch; returns float32 logits [S, V] of the sampling requests (S may be 0)."""
+        """Forward the packed batch; returns float32 logits [S, V] of the sampling requests (S may be 0).
+
+        Through :attr:`flat` where the model has its layout. The first step that samples also runs the model's
+        own forward after it (the same K/V written twice; layers streamed out only by the second) and keeps the
+        flat loop only if the logits are equal bit for bit."""
+        flat = self.flat
+        if flat is not None and len(batch.logits_index):
+            if flat.verified:
+                return flat(batch.input_ids, batch.position_ids, batch.attn, batch.logits_index)[0].float()
+            streamed, batch.attn.on_layer_written = batch.attn.on_layer_written, None
+            logits = flat(batch.input_ids, batch.position_ids, batch.attn, batch.logits_index)
+            batch.attn.on_layer_written = streamed
+            own = self._model_logits(batch)
+            if torch.equal(logits, own):
+                flat.verified = True
+            else:
+                log.warning("the flat forward's logits differ from the model's own: running the model's")
+                self.flat = None
+            return own[0].float()
+        own = self._model_logits(batch)
+        if not len(batch.logits_index):
+            return own.new_empty((0, own.shape[-1]), dtype=torch.float32)
+        return own[0].float()
+
+    def _model_logits(self, batch: StepBatch) -> torch.Tensor:
+        """The model's own forward: logits [1, S, V] (the last token's when no request samples)."""
         keep = batch.logits_index if len(batch.logits_index) else 1
-        out = self.model(
+        return self.model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
             use_cache=False,
             logits_to_keep=keep,
             **{METADATA_KWARG: batch.attn},
-        )
-        if not len(batch.logits_index):
-            return out.logits.new_empty((0, out.logits.shape[-1]), dtype=torch.float32)
-        return out.logits[0].float()
+        ).logits
 
 
 def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:

@@ -1,0 +1,129 @@
+"""The flat forward (one loop over a Llama/Qwen2 model's fused layers, :mod:`common.engine.flat_forward`): taken
+where the model has that layout, its logits the model's own bit for bit on mixed prefill/decode steps, stock
+``generate``'s tokens, the model's own forward kept when the one check fails or a layer-streaming step comes
+before it, refused for hooked models and other layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine import cpu_kernels
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.flat_forward import FlatForward
+from common.engine.loader import load_model
+from common.engine.sampling_params import SamplingParams
+from tests.common.engine.test_engine_oracle import GREEDY, make_prompts
+from tests.conftest import hf_greedy
+
+
+@pytest.fixture(autouse=True)
+def kernels():
+    if not cpu_kernels.load():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+def engine_for(model_dir: str, **config) -> LLMEngine:
+    return LLMEngine(load_model(model_dir), EngineConfig(prefix_caching=False, **config))
+
+
+def test_taken_where_the_layout_fits(tiny_model_dir):
+    for arch in ("llama", "qwen2"):
+        assert engine_for(tiny_model_dir(arch)).runner.flat is not None, arch
+        assert engine_for(tiny_model_dir(arch), flat_forward=False).runner.flat is None
+        assert engine_for(tiny_model_dir(arch), cpu_kernels=False).runner.flat is None  # no RopeAttention
+    assert engine_for(tiny_model_dir("mistral")).runner.flat is None  # its attention is not swapped
+    hooked = load_model(tiny_model_dir("llama"))
+    hooked.model.model.layers[1].register_forward_hook(lambda *args: None)
+    assert LLMEngine(hooked, EngineConfig()).runner.flat is None  # a hook would be skipped
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen2", {"sliding_window": 24})],
+                         ids=["llama", "qwen2", "qwen2-window"])  # fmt: skip
+def test_logits_equal_the_models_own_on_every_step(arch, overrides, tiny_model_dir, hf_reference):
+    """Prompts arriving while others decode (steps of decode + prefill), every step's logits both ways (the
+    runner's one check made to run on every step)."""
+    d = tiny_model_dir(arch, **overrides)
+    engine = engine_for(d, max_num_batched_tokens=64)
+    runner = engine.runner
+    flat = runner.flat
+    steps = {"compared": 0, "mixed": 0}
+    model_run = runner._model_logits
+
+    def both(batch):
+        want = model_run(batch)
+        if len(batch.logits_index):
+            got = flat(batch.input_ids, batch.position_ids, batch.attn, batch.logits_index)
+            assert torch.equal(got, want)
+            steps["compared"] += 1
+            steps["mixed"] += len(batch.attn.groups) > 1
+        return want
+
+    runner._model_logits = both
+    prompts = make_prompts(engine.vocab_size, lens=[5, 40, 90, 1], seed=11)
+    params = SamplingParams(max_new_tokens=30, **GREEDY)
+    pending = list(enumerate(prompts))
+    results: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, prompt = pending.pop(0)
+            engine.add_request(prompt, params, request_id=str(i))
+        for out in engine.step():
+            results[out.request_id] += out.new_token_ids
+        assert runner.flat is flat
+        flat.verified = False
+    assert steps["compared"] >= 30 and steps["mixed"] >= 2
+    reference = hf_reference(d)
+    for i, prompt in enumerate(prompts):
+        assert results[str(i)] == hf_greedy(reference, prompt, 30), f"prompt {i}"
+
+
+def test_a_failed_check_keeps_the_models_forward(tiny_model_dir, hf_reference, monkeypatch, caplog):
+    d = tiny_model_dir("llama")
+    engine = engine_for(d)
+    calls = {"flat": 0}
+    real = FlatForward.__call__
+
+    def off_by_a_bit(self, *args):
+        calls["flat"] += 1
+        return real(self, *args) * (1 + 2**-20)
+
+    monkeypatch.setattr(FlatForward, "__call__", off_by_a_bit)
+    prompt = make_prompts(engine.vocab_size, lens=[12], seed=3)[0]
+    result = engine.generate([prompt], SamplingParams(max_new_tokens=12, **GREEDY))[0]
+    assert calls["flat"] == 1 and engine.runner.flat is None
+    assert "differ from the model's own" in caplog.text
+    assert result.token_ids == hf_greedy(hf_reference(d), prompt, 12)
+
+
+def test_layer_streaming_prefill_streams_each_layer_once(tiny_model_dir, monkeypatch):
+    """The prefill worker's steps stream each layer out as it is written: the checked step (both forwards)
+    reports each layer once, after the model's own write; the later steps take the flat loop."""
+    order: list[tuple[str, int]] = []
+    streamed: dict[str, dict[int, tuple]] = {}
+
+    def sink(rid, layer, k, v):
+        order.append((rid, layer))
+        streamed.setdefault(rid, {})[layer] = (k.clone(), v.clone())
+
+    engine = LLMEngine(load_model(tiny_model_dir("llama")), EngineConfig(max_num_batched_tokens=64), kv_layer_sink=sink)
+    calls = {"flat": 0}
+    real = FlatForward.__call__
+
+    def counted(self, *args):
+        calls["flat"] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(FlatForward, "__call__", counted)
+    prompts = make_prompts(engine.vocab_size, lens=[30, 50, 20], seed=4)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=5, **GREEDY), prefill_only=True) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.runner.flat.verified and calls["flat"] >= 2
+    layers = engine.kv_spec.num_layers
+    for rid in ids:
+        assert [layer for r, layer in order if r == rid] == list(range(layers))
+        handoff = engine.export_kv(rid)
+        for layer, (k, v) in enumerate(handoff.layers):
+            assert torch.equal(k, streamed[rid][layer][0]) and torch.equal(v, streamed[rid][layer][1])
