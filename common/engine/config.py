@@ -32,7 +32,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's choice
     cpu_packed_linear: bool = True  # oneDNN matmuls over pre-packed weights on the CPU (see cpu_linear)
     cpu_kernels: bool = True  # the engine's C++ CPU kernels: decode attention from the paged cache, RMSNorm
-    flat_forward: bool = True  # Llama/Qwen2 over the fused modules: one loop over the layers (see flat_forward)
+    flat_forward: bool = True  # Llama/Qwen2/Mistral over the fused modules: one loop over the layers (see flat_forward)
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (see prefix_cache)
     prefix_cache_ttl_s: float | None = None  # forget cached blocks unused this long (None: only LRU eviction)
 

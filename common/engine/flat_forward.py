@@ -1,4 +1,4 @@
-"""The engine's forward pass of a Llama or Qwen2 model as one loop over its layers, without the module tree.
+"""A Llama, Qwen2 or Mistral model run by the engine as one loop over its layers, without the module tree.
 
 Once :mod:`common.engine.cpu_linear` and :mod:`common.engine.fused_attention` have swapped in the engine's
 fused modules, a decoder layer is seven operator calls (RMSNorm, the q/k/v product, the rotary kernel, the
@@ -9,7 +9,7 @@ decode step, 4-5% of sixteen streams'. :class:`FlatForward` makes the same calls
 same order, so its logits are bit for bit the model's own; the model runner checks that once on the first
 step that samples (:meth:`common.engine.model_runner.ModelRunner.run`) and keeps the model's forward if not.
 
-:meth:`FlatForward.of` accepts only the module layout it repeats: a ``LlamaForCausalLM``/``Qwen2ForCausalLM``
+:meth:`FlatForward.of` accepts only the module layout it repeats: a ``LlamaForCausalLM`` (Qwen2, Mistral)
 whose every decoder layer holds :class:`~common.engine.cpu_linear.FusedRMSNorm` norms, a
 :class:`~common.engine.fused_attention.RopeAttention` and a :class:`~common.engine.cpu_linear.FusedGatedMLP`,
 the engine's paged attention registered, no hooks, and no process group (tensor parallelism runs the model's
@@ -28,6 +28,7 @@ from common.engine.fused_attention import RopeAttention
 _LAYOUTS = {
     "LlamaForCausalLM": ("LlamaModel", "LlamaDecoderLayer"),
     "Qwen2ForCausalLM": ("Qwen2Model", "Qwen2DecoderLayer"),
+    "MistralForCausalLM": ("MistralModel", "MistralDecoderLayer"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Llama- and Qwen2-style attention over the fused q/k/v product, the rotary embedding one kernel call.
+"""Llama-, Qwen2- and Mistral-style attention over the fused q/k/v product, the rotary embedding one kernel call.
 
 transformers' attention module projects q, k and v (here three slices of one fused product, see
 :mod:`common.engine.cpu_linear`), then rotates q and k with ``apply_rotary_pos_emb``: fourteen small operators a
@@ -24,12 +24,17 @@ from common.engine.cpu_linear import FusedLinear, LinearSlice
 log = logging.getLogger(__name__)
 
 # attention modules whose forward RopeAttention repeats (projections, half-split RoPE, interface, o_proj), and
-# whether it passes its ``sliding_window`` to the attention function
-_ROPE_ATTENTIONS = {"LlamaAttention": False, "Qwen2Attention": True}
+# the ``sliding_window`` each passes to the attention function: none (Llama), the module's (Qwen2: per layer),
+# the config's (Mistral)
+_ROPE_ATTENTIONS = {
+    "LlamaAttention": lambda module: {},
+    "Qwen2Attention": lambda module: {"sliding_window": module.sliding_window},
+    "MistralAttention": lambda module: {"sliding_window": getattr(module.config, "sliding_window", None)},
+}
 
 
 class RopeAttention(torch.nn.Module):
-    """Stands where a Llama/Qwen2 attention module stood; keeps it for its settings and output projection."""
+    """Stands where a Llama/Qwen2/Mistral attention module stood; keeps it for its settings and output projection."""
 
     def __init__(self, attention: torch.nn.Module, qkv: FusedLinear, num_q_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:  # fmt: skip
@@ -40,7 +45,7 @@ class RopeAttention(torch.nn.Module):
         self.heads = (num_q_heads, num_kv_heads, head_dim)
         self.splits = [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         # what the attention function gets besides the module's own settings (a constant of the layer)
-        self.extra = {"sliding_window": attention.sliding_window} if _ROPE_ATTENTIONS[type(attention).__name__] else {}
+        self.extra = _ROPE_ATTENTIONS[type(attention).__name__](attention)
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],

@@ -1,7 +1,7 @@
-"""The flat forward (one loop over a Llama/Qwen2 model's fused layers, :mod:`common.engine.flat_forward`): taken
-where the model has that layout, its logits the model's own bit for bit on mixed prefill/decode steps, stock
-``generate``'s tokens, the model's own forward kept when the one check fails or a layer-streaming step comes
-before it, refused for hooked models and other layouts."""
+"""The flat forward (one loop over a Llama/Qwen2/Mistral model's fused layers,
+:mod:`common.engine.flat_forward`): taken where the model has that layout, its logits the model's own bit for bit
+on mixed prefill/decode steps, stock ``generate``'s tokens; the model's own forward kept when the one check
+fails; a layer-streaming prefill streams each layer once; refused for hooked models and without the kernels."""
 
 from __future__ import annotations
 
@@ -29,18 +29,18 @@ def engine_for(model_dir: str, **config) -> LLMEngine:
 
 
 def test_taken_where_the_layout_fits(tiny_model_dir):
-    for arch in ("llama", "qwen2"):
+    for arch in ("llama", "qwen2", "mistral"):
         assert engine_for(tiny_model_dir(arch)).runner.flat is not None, arch
         assert engine_for(tiny_model_dir(arch), flat_forward=False).runner.flat is None
         assert engine_for(tiny_model_dir(arch), cpu_kernels=False).runner.flat is None  # no RopeAttention
-    assert engine_for(tiny_model_dir("mistral")).runner.flat is None  # its attention is not swapped
     hooked = load_model(tiny_model_dir("llama"))
     hooked.model.model.layers[1].register_forward_hook(lambda *args: None)
     assert LLMEngine(hooked, EngineConfig()).runner.flat is None  # a hook would be skipped
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen2", {"sliding_window": 24})],
-                         ids=["llama", "qwen2", "qwen2-window"])  # fmt: skip
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen2", {"sliding_window": 24}),
+                                            ("mistral", {"sliding_window": 24})],
+                         ids=["llama", "qwen2", "qwen2-window", "mistral-window"])  # fmt: skip
 def test_logits_equal_the_models_own_on_every_step(arch, overrides, tiny_model_dir, hf_reference):
     """Prompts arriving while others decode (steps of decode + prefill), every step's logits both ways (the
     runner's one check made to run on every step)."""
