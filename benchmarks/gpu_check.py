@@ -18,7 +18,9 @@ the rest still runs; once ``--deadline-s`` has passed, the remaining ones are sk
                  near-tie of stock's logits (the two tokens within 2 x tolerance: rounding may flip those only)
   prefill        tokens/s of one 2,048-token prompt, engine and stock forward
   decode         tokens/s of decode steps at batch 1, 16, 64 (stock generate at batch 1, decode only)
-  cuda_graphs    whether the engine has CUDA graphs to switch on and off (none yet: says n/a)
+  cuda_graphs    decode tokens/s at the same batches with the engine's CUDA graphs on (a second engine on the
+                 same weights, its graphs captured by a first pass), against the decode section's; graphs captured;
+                 greedy tokens of both engines compared (an error if the graphs switched themselves off)
   kv_transfer    GB/s of the sender's path (export_kv's extraction; staging to host and wire encoding with
                  crc32), the receiver's (checks, write_kv) with an exact round trip, plain device -> host copies
   ttft           16 concurrent 512-token prompts: worst time to first token (target < 500 ms)
@@ -178,6 +180,11 @@ class GpuCheck:
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+
+    @property
+    def sections_by_name(self) -> dict[str, Section]:
+        """The sections run so far."""
+        return {s.name: s for s in self.sections}
 
     def prompts(self, n: int, length: int) -> list[list[int]]:
         """``n`` random prompts of ``length`` ids from the tokenizer's vocabulary (the lm_head rows past it are 0)."""

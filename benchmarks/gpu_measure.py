@@ -46,9 +46,10 @@ class Timeline:
         return sum(n for _, n in after) / (after[-1][0] - all_first)
 
 
-def timed_run(ck, prompts: list[list[int]], max_new: int) -> Timeline:
-    """Submit every prompt at once (greedy, EOS ignored), step the engine to the end, note each token's time."""
-    engine = ck.engine
+def timed_run(ck, prompts: list[list[int]], max_new: int, engine=None) -> Timeline:
+    """Submit every prompt at once (greedy, EOS ignored), step the engine (default: the check's) to the end, note
+    each token's time."""
+    engine = engine or ck.engine
     t0 = time.perf_counter()
     ids = [engine.add_request(p, ck.greedy(max_new)) for p in prompts]
     tl = Timeline(t0, {rid: [] for rid in ids})
@@ -200,14 +201,44 @@ def decode(ck, s) -> None:
 
 
 def cuda_graphs(ck, s) -> None:
-    """The engine has no CUDA graph switch yet: says so, and notices when its source starts mentioning them."""
-    files = sorted(p.name for p in (REPO / "common" / "engine").glob("*.py")
-                   if any(word in p.read_text() for word in ("CUDAGraph", "cuda.graph")))  # fmt: skip
-    s.info = {"engine_files_mentioning_cuda_graphs": files}
-    if files:
-        s.text = f"n/a (common/engine/{', '.join(files)} mention CUDA graphs; this check has no switch for them)"
-    else:
-        s.text = "n/a (engine has no CUDA graphs)"
+    """Decode steps with the engine's CUDA graphs (``EngineConfig.cuda_graphs``) against the decode section's
+    eager figures: a second engine on the same weights with graphs on, its buckets captured by a first pass of the
+    same workload, then timed; greedy tokens of both engines compared on a few prompts."""
+    import dataclasses
+
+    from common.engine.engine import LLMEngine
+
+    c, eager = ck.counts, ck.engine
+    engine = LLMEngine(eager.loaded, dataclasses.replace(eager.config, cuda_graphs=True))
+    graphs = engine.runner.graphs
+    try:
+        t = time.perf_counter()
+        for batch in c.decode_batches:  # captures the buckets these runs need
+            timed_run(ck, ck.prompts(batch, c.decode_prompt), c.decode_new, engine=engine)
+        s.values["capture_pass_s"] = time.perf_counter() - t
+        parts = []
+        for batch in c.decode_batches:
+            rate = timed_run(ck, ck.prompts(batch, c.decode_prompt), c.decode_new, engine=engine).decode_tok_s()
+            off = ck.sections_by_name["decode"].values.get(f"batch_{batch}_tok_s") if "decode" in ck.sections_by_name \
+                else None  # fmt: skip
+            s.values[f"batch_{batch}_tok_s"] = rate
+            parts.append(f"batch {batch}: {rate:,.0f}" + (f" vs {off:,.0f} ({rate / off:.2f}x)" if off else ""))
+        prompts = ck.prompts(4, c.decode_prompt)
+        on = [r.token_ids for r in engine.generate(prompts, ck.greedy(c.decode_new))]
+        off_ids = [r.token_ids for r in eager.generate(prompts, ck.greedy(c.decode_new))]
+        agree = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(on, off_ids))
+        total = sum(len(x) for x in off_ids)
+        stats = graphs.stats()
+        s.info.update(stats)
+        s.values.update(captured=stats["captured"], graph_steps=stats["steps"], tokens_agree=agree,
+                        tokens_compared=total)  # fmt: skip
+        if not stats["enabled"]:
+            raise SectionError(f"graphs switched off: {stats['disabled_because']}")
+        s.text = (f"on vs off, tok/s of decode steps: {', '.join(parts)}; {stats['captured']} graphs captured "
+                  f"(capture pass {s.values['capture_pass_s']:.1f} s), greedy tokens agree with eager {agree}/{total} "
+                  f"(to each prompt's first difference)")  # fmt: skip
+    finally:
+        del engine
 
 
 # -- KV transfer ----------------------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ class EngineConfig:
     cpu_packed_linear: bool = True  # oneDNN matmuls over pre-packed weights on the CPU (see cpu_linear)
     cpu_kernels: bool = True  # the engine's C++ CPU kernels: decode attention from the paged cache, RMSNorm
     flat_forward: bool = True  # Llama/Qwen2/Mistral over the fused modules: one loop over the layers (see flat_forward)
+    # decode steps replayed from CUDA graphs, one per batch and context bucket (see cuda_graphs); on the CPU the
+    # same padded, static-shape path runs eagerly (slower: for tests)
+    cuda_graphs: bool = False
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (see prefix_cache)
     prefix_cache_ttl_s: float | None = None  # forget cached blocks unused this long (None: only LRU eviction)
 
@@ -62,6 +65,7 @@ class EngineConfig:
             num_threads=settings.threads,
             prefix_caching=getattr(settings, "prefix_caching", True),
             prefix_cache_ttl_s=getattr(settings, "prefix_cache_ttl_s", None) or None,
+            cuda_graphs=bool(getattr(settings, "cuda_graphs", False)),
         )
 
     @property

@@ -107,10 +107,17 @@ class LLMEngine(KVHandoffMixin):
             if kernels:
                 fuse_gated_mlps(loaded.model)
                 fuse_rope_attention(loaded.model)
+        graphs = config.cuda_graphs and tp is None
+        if config.cuda_graphs and not graphs:
+            log.warning("cuda_graphs: off with tensor parallelism (the follower ranks replay no graphs)")
         self.block_pool = BlockPool(num_blocks)
-        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
+        # with graphs, one block more than the pool hands out: where the padding rows of a graph step write
+        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks + graphs, self.device)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels,
                                   flat_forward=config.flat_forward)
+        if graphs:
+            max_blocks = -(-self.max_model_len // config.block_size)
+            self.runner.use_graphs(max_batch=config.max_num_seqs, max_blocks=max_blocks, scratch_block=num_blocks)
         self.scheduler = Scheduler(
             self.block_pool,
             config.block_size,
@@ -327,13 +334,14 @@ class LLMEngine(KVHandoffMixin):
                 if not request.imported and self.config.prefix_caching:
                     self.counters.num_prefix_cache_queries += request.num_tokens
                     self.counters.num_prefix_cache_hits += request.num_cached_tokens
-        batch = self.runner.prepare(sched.scheduled)
-        if self.tensor_parallel is not None:  # the follower ranks run the same forward pass
-            self.tensor_parallel.send_step(batch)
+        completing = []  # prompts whose KV streams out layer by layer during this step
         if self.kv_layer_sink is not None:
             completing = [r for r, n in sched.scheduled if r.prefill_only and r.num_computed_tokens + n == r.num_tokens]
-            if completing:
-                batch.attn.on_layer_written = partial(self._stream_layer, completing)
+        batch = self.runner.prepare(sched.scheduled, graphs=not completing)
+        if self.tensor_parallel is not None:  # the follower ranks run the same forward pass
+            self.tensor_parallel.send_step(batch)
+        if completing:
+            batch.attn.on_layer_written = partial(self._stream_layer, completing)
         logits = self.runner.run(batch)  # [S, V]
         touched = [r for r, _ in sched.scheduled]
         for request, n in sched.scheduled:

@@ -8,11 +8,12 @@ shared by every layer (see :mod:`common.engine.attention`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.engine.attention import METADATA_KWARG, AttentionGroup, AttentionMetadata
+from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.flat_forward import FlatForward
 from common.engine.kv_cache import PagedKVCache
 from common.engine.request import Request
@@ -22,11 +23,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepBatch:
-    input_ids: torch.Tensor  # [1, T] int64
-    position_ids: torch.Tensor  # [1, T] int64
-    attn: AttentionMetadata
+    input_ids: torch.Tensor | None  # [1, T] int64 (None: a graph step)
+    position_ids: torch.Tensor | None  # [1, T] int64
+    attn: AttentionMetadata | None
     logits_index: torch.Tensor  # [S] int64: packed index of the last token of each sampling request
     sampling_requests: list[Request]  # the S requests that get a new token this step, in logits order
+    # a decode step for ModelRunner.graphs, instead of the three fields above: (token ids, positions, slots, block
+    # tables), one entry a sequence (not an init field: never sent to tensor-parallel followers, which have none)
+    graph_step: tuple[list[int], list[int], list[int], list[list[int]]] | None = field(default=None, init=False)
 
 
 class ModelRunner:
@@ -49,10 +53,20 @@ class ModelRunner:
         self.device = device
         self.decode_kernel = decode_kernel
         self.flat = FlatForward.of(model) if flat_forward else None  # the layer loop without the module tree
+        self.graphs: DecodeGraphs | None = None  # set by the engine with EngineConfig.cuda_graphs
 
-    def prepare(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
+    def use_graphs(self, *, max_batch: int, max_blocks: int, scratch_block: int) -> DecodeGraphs:
+        """Run decode steps through :class:`~common.engine.cuda_graphs.DecodeGraphs` (CUDA graphs on a CUDA
+        device; on the CPU the same static-shape path, eagerly)."""
+        self.graphs = DecodeGraphs(self.forward, self.kv_cache, max_batch=max_batch, max_blocks=max_blocks,
+                                   scratch_block=scratch_block, capture=self.device.type == "cuda")  # fmt: skip
+        return self.graphs
+
+    def prepare(self, scheduled: list[tuple[Request, int]], *, graphs: bool = True) -> StepBatch:
+        """The packed batch of a scheduled step. ``graphs=False``: not through :attr:`graphs` (a step whose
+        attention metadata the caller needs, e.g. to stream a prompt's KV layer by layer)."""
         if all(n == 1 for _, n in scheduled):
-            return self._prepare_decode([r for r, _ in scheduled])
+            return self._prepare_decode([r for r, _ in scheduled], graphs=graphs)
         decode = [(r, n) for r, n in scheduled if n == 1]
         prefill = [(r, n) for r, n in scheduled if n != 1]
         ordered = decode + prefill
@@ -123,7 +137,7 @@ class ModelRunner:
             sampling_requests=[ordered[i][0] for i in sampling],
         )
 
-    def _prepare_decode(self, reqs: list[Request]) -> StepBatch:
+    def _prepare_decode(self, reqs: list[Request], graphs: bool = True) -> StepBatch:
         """:meth:`prepare` for a step of one new token per sequence (the steady state of decoding): the same
         batch, from Python lists with a few tensor constructions (~0.1 ms instead of ~0.3 ms a step here).
 
@@ -134,6 +148,8 @@ class ModelRunner:
         nb = max(pos) // bs + 1
         tables = [r.block_ids[:nb] for r in reqs]
         dev = self.device
+        if graphs and self.graphs is not None and self.graphs.fits(len(reqs), nb):
+            return self._graph_decode(reqs, pos, tables)
         table = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.long, device=dev)
         slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, pos)], dtype=torch.long, device=dev)
         position_ids = torch.tensor([pos], dtype=torch.long, device=dev)
@@ -156,13 +172,25 @@ class ModelRunner:
             sampling_requests=[reqs[i] for i in sampling],
         )
 
+    def _graph_decode(self, reqs: list[Request], pos: list[int], tables: list[list[int]]) -> StepBatch:
+        bs = self.block_size
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+        sampling = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens]
+        batch = StepBatch(input_ids=None, position_ids=None, attn=None,
+                          logits_index=torch.tensor(sampling, dtype=torch.long, device=self.device),
+                          sampling_requests=[reqs[i] for i in sampling])  # fmt: skip
+        batch.graph_step = ([r.all_token_ids[p] for r, p in zip(reqs, pos)], pos, slots, tables)
+        return batch
+
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Forward the packed batch; returns float32 logits [S, V] of the sampling requests (S may be 0).
 
         Through :attr:`flat` where the model has its layout. The first step that samples also runs the model's
         own forward after it (the same K/V written twice; layers streamed out only by the second) and keeps the
-        flat loop only if the logits are equal bit for bit."""
+        flat loop only if the logits are equal bit for bit. A graph step goes to :attr:`graphs`."""
+        if batch.graph_step is not None:
+            return self.graphs.run(*batch.graph_step)[batch.logits_index].float()
         flat = self.flat
         if flat is not None and len(batch.logits_index):
             if flat.verified:
@@ -181,6 +209,15 @@ class ModelRunner:
         if not len(batch.logits_index):
             return own.new_empty((0, own.shape[-1]), dtype=torch.float32)
         return own[0].float()
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionMetadata,
+                logits_index: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Logits [1, S, V] (the model's dtype) of the packed tokens at ``logits_index`` [S] (S > 0): through the
+        flat loop once it was verified, else the model's own forward."""
+        if self.flat is not None and self.flat.verified:
+            return self.flat(input_ids, position_ids, attn, logits_index)
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                          logits_to_keep=logits_index, **{METADATA_KWARG: attn}).logits  # fmt: skip
 
     def _model_logits(self, batch: StepBatch) -> torch.Tensor:
         """The model's own forward: logits [1, S, V] (the last token's when no request samples)."""

@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk-size", type=int, default=None,
                    help="most prompt tokens of one request per step (default: the step budget)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: replay decode steps from CUDA graphs, one per batch and context bucket (default off)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N processes of this host by transformers' tensor-parallel plan "
                         "(gloo on cpu, one GPU each on cuda); N must divide the attention and KV heads")

@@ -50,6 +50,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget of one engine step"))
     prefill_chunk_size: int | None = field(default=None, metadata=_help("most prompt tokens per request per step"))
     prefix_caching: bool = field(default=True, metadata=_help("reuse the KV of cached prompt prefixes"))
+    cuda_graphs: bool = field(
+        default=False, metadata=_help("CUDA: replay decode steps from CUDA graphs, one per batch and context bucket")
+    )
     prefix_cache_ttl_s: float = field(
         default=0.0, metadata=_help("forget cached prefix blocks (a session's KV) unused this long (0: LRU only)")
     )

@@ -33,9 +33,6 @@ def test_quick_cpu_run_reports_every_section_with_numbers_and_an_exact_oracle():
     assert (result["device"], result["dtype"], result["quick"]) == ("cpu", "float32", True)
     for name, s in sections.items():
         assert s["status"] == "ok" and s["text"], name
-        if name == "cuda_graphs":  # nothing to measure until the engine has CUDA graphs
-            assert s["text"].startswith("n/a") and s["values"] == {}
-            continue
         assert s["values"], name
         for key, value in s["values"].items():
             assert type(value) in (int, float) and math.isfinite(value), (name, key, value)
@@ -57,6 +54,11 @@ def test_quick_cpu_run_reports_every_section_with_numbers_and_an_exact_oracle():
 
     decode = sections["decode"]["values"]
     assert set(decode) == {"batch_1_tok_s", "batch_4_tok_s", "batch_8_tok_s", "stock_batch_1_tok_s"}
+    graphs = sections["cuda_graphs"]  # on the CPU: the graphs' static-shape path, run eagerly
+    assert {"batch_1_tok_s", "batch_4_tok_s", "batch_8_tok_s", "captured", "graph_steps"} <= set(graphs["values"])
+    assert graphs["values"]["captured"] == 0 and graphs["values"]["graph_steps"] > 0
+    assert graphs["values"]["tokens_agree"] == graphs["values"]["tokens_compared"] > 0
+    assert graphs["info"]["enabled"] is True and graphs["text"].startswith("on vs off")
     targets = [t for s in sections.values() for t in s["targets"]]
     assert [t["name"] for t in targets] == ["oracle", "ttft_max", "short_requests_per_s", "stream_tok_s_min"]
     assert all(isinstance(t["pass"], bool) for t in targets)
