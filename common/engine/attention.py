@@ -11,12 +11,14 @@ to the registered attention function unchanged. For every layer that function
 
 Sequences are grouped by shape: the *decode group* holds the sequences with one new token (packed first,
 in order, so its output needs no scatter); the *prefill group* the rest (prompt chunks, recomputes),
-padded to the longest chunk. Grouped-query heads are handled without repeating K/V: the query heads that
+padded to the longest chunk, unless every one is a whole prompt from position 0 (:func:`_fresh_attention`:
+each prompt on its own K/V, by a varlen kernel on CUDA or one causal SDPA per prompt). Grouped-query heads are handled without repeating K/V: the query heads that
 share a KV head are folded into the query-length axis.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +28,7 @@ from transformers import AttentionInterface
 
 from common.engine.kv_cache import PagedKVCache
 
+log = logging.getLogger(__name__)
 ATTENTION_NAME = "pdserve_paged"
 METADATA_KWARG = "pdserve_attn"
 
@@ -46,9 +49,11 @@ class AttentionGroup:
     (:mod:`common.engine.cpu_kernels`): ``torch.ops.pdserve.paged_decode_attention`` then reads each
     sequence's keys in place from the paged cache, no gather (``gather_index`` is None), no mask, no padding.
 
-    ``fresh_prompt`` is set for a prefill group of one sequence computed from position 0 in this step (a
-    prompt in one chunk, the usual work of a prefill worker): its queries attend causally to the step's own
-    K/V (``is_causal`` SDPA, the kernel stock models use), no gather, no mask; ``num_keys`` is its length.
+    ``fresh_prompt`` is set for a prefill group of whole prompts, each computed from position 0 in this step
+    (the usual work of a prefill worker): it counts them, and each attends causally to its own K/V in the step,
+    no gather, no padding, no mask (:func:`_fresh_attention`). The prompts are the packed tokens from
+    ``token_start`` on, their bounds relative to it in ``fresh_bounds`` [n + 1] (int32); ``num_keys`` is the
+    longest.
     """
 
     # what PagedKVCache.gather reads: the group's block table [B, nb], flattened (None on the CPU kernel)
@@ -59,7 +64,8 @@ class AttentionGroup:
     valid: torch.Tensor | None = None  # [B, Q] bool
     first_block: int | None = None
     num_keys: int = 0
-    fresh_prompt: int = 0  # 1: one sequence, packed tokens [token_start, token_start + num_keys) = positions 0..
+    fresh_prompt: int = 0  # n whole prompts: packed tokens token_start + [fresh_bounds[i], fresh_bounds[i + 1])
+    fresh_bounds: torch.Tensor | None = None  # [n + 1] int32 on the CPU
     # decode group on the CPU kernel: block table [B, nb] and keys per sequence [B] (int64, contiguous)
     block_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
@@ -137,6 +143,136 @@ def _kernel_attention(
     return out
 
 
+def _fresh_attention(
+    group: AttentionGroup,
+    query: torch.Tensor,  # [1, Hq, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,
+    out: torch.Tensor,  # [T, Hq, D], written
+    scaling: float | None,
+    sliding_window: int | None = None,
+) -> None:
+    """Whole prompts attending causally to their own K/V, on the step's tensors (no gather, no padding to the
+    longest prompt, no mask): one varlen kernel call where one is installed for the device and dtype
+    (:func:`varlen_kernel`), else one ``is_causal`` SDPA per prompt. The caller checked that no prompt is longer
+    than ``sliding_window`` unless a varlen kernel runs (which applies the window itself)."""
+    own = slice(group.token_start, group.token_start + int(group.fresh_bounds[-1]))
+    kernel = varlen_kernel(query)
+    if kernel is not None:
+        # what the first call of each kind checks: the causal mask alone, or with a window that cuts a prompt
+        mode = "window" if sliding_window is not None and group.num_keys > sliding_window else "causal"
+        q, k, v = (t[0, :, own].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, H, D]
+        bounds = group.fresh_bounds.to(query.device, non_blocking=True)
+        if mode in kernel.verified:
+            out[own] = kernel(q, k, v, bounds, group.num_keys, scaling, sliding_window)
+            return
+        try:
+            o = kernel(q, k, v, bounds, group.num_keys, scaling, sliding_window)
+        except Exception as exc:  # noqa: BLE001  (unsupported head size, GPU generation, ...: per-prompt SDPA)
+            _drop_varlen(kernel, f"raised {exc!r}")
+        else:
+            if _verify_varlen(kernel, mode, o, group, query, key, value, scaling, sliding_window):
+                out[own] = o
+                return
+    _fresh_attention_sdpa(group, query, key, value, out, scaling, sliding_window)
+
+
+def _fresh_attention_sdpa(group, query, key, value, out, scaling, sliding_window) -> None:
+    bounds = group.fresh_bounds.tolist()
+    gqa = key.shape[1] != query.shape[1]
+    for a, b in zip(bounds, bounds[1:]):
+        own = slice(group.token_start + a, group.token_start + b)
+        q, k, v = query[:, :, own], key[:, :, own], value[:, :, own]
+        if sliding_window is None or b - a <= sliding_window:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:  # only when checking a varlen kernel: the window as a mask
+            i = torch.arange(b - a, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        out[own] = o[0].transpose(0, 1)
+
+
+class VarlenKernel:
+    """A variable-length attention kernel over packed prompts: ``(q [T, Hq, D], k [T, Hkv, D], v, bounds [n + 1]
+    int32 on the device, longest, scale, sliding window) -> [T, Hq, D]``, each prompt causal over its own keys."""
+
+    def __init__(self, name: str, fn: Callable) -> None:
+        self.name, self.fn = name, fn
+        self.verified: set[str] = set()  # "causal", "window": kinds of call whose output matched per-prompt SDPA
+        self.failed = ""
+
+    def __call__(self, q, k, v, bounds, longest: int, scale: float | None, window: int | None) -> torch.Tensor:
+        return self.fn(q, k, v, bounds, longest, scale, window)
+
+
+_VARLEN: dict[str, VarlenKernel | None] = {}  # by device type and dtype; None: none usable
+
+
+def _flash_attn_varlen() -> VarlenKernel | None:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001  (not installed, or built for another torch/CUDA)
+        return None
+
+    def run(q, k, v, bounds, longest, scale, window):
+        return flash_attn_varlen_func(q, k, v, bounds, bounds, longest, longest, softmax_scale=scale, causal=True,
+                                      window_size=(-1, -1) if window is None else (window - 1, 0))  # fmt: skip
+
+    return VarlenKernel("flash_attn.flash_attn_varlen_func", run)
+
+
+def _torch_varlen() -> VarlenKernel | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+
+    def run(q, k, v, bounds, longest, scale, window):
+        if window is not None:
+            raise ValueError("torch's varlen_attn: no sliding window here")
+        return varlen_attn(q, k, v, bounds, bounds, longest, longest, scale=scale, window_size=(-1, 0),
+                           enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+
+    return VarlenKernel("torch.nn.attention.varlen.varlen_attn", run)
+
+
+def varlen_kernel(query: torch.Tensor) -> VarlenKernel | None:
+    """The varlen kernel for ``query``'s device and dtype: flash-attn's when installed, else torch's (CUDA, fp16 or
+    bf16 only), else None (the CPU, fp32)."""
+    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    key = f"{query.device.type}:{query.dtype}"
+    if key not in _VARLEN:
+        _VARLEN[key] = _flash_attn_varlen() or _torch_varlen()
+    return _VARLEN[key]
+
+
+def _verify_varlen(kernel: VarlenKernel, mode: str, got: torch.Tensor, group, query, key, value, scaling,
+                   sliding_window) -> bool:  # fmt: skip
+    """The kernel's first output of a kind (``mode``) against per-prompt SDPA: kept when within the dtype's
+    rounding (1e-2 relative to the largest output, at least 1e-2), else dropped for good with a warning."""
+    want = torch.empty_like(got)
+    start = group.token_start
+    relative = AttentionGroup(gather_index=None, query_pos=group.query_pos, fresh_prompt=group.fresh_prompt,
+                              fresh_bounds=group.fresh_bounds, num_keys=group.num_keys)  # token_start 0
+    _fresh_attention_sdpa(relative, query[:, :, start:], key[:, :, start:], value[:, :, start:], want, scaling,
+                          sliding_window)  # fmt: skip
+    diff = float((got.float() - want.float()).abs().max())
+    tolerance = 1e-2 * max(1.0, float(want.float().abs().max()))
+    if diff <= tolerance:
+        kernel.verified.add(mode)
+        return True
+    _drop_varlen(kernel, f"max |difference| {diff:.3g} from per-prompt SDPA > {tolerance:.3g} ({mode})")
+    return False
+
+
+def _drop_varlen(kernel: VarlenKernel, why: str) -> None:
+    kernel.failed = why
+    log.warning("varlen attention %s dropped: %s; prompts attend by per-prompt SDPA", kernel.name, why)
+    for k in [k for k, v in _VARLEN.items() if v is kernel]:
+        _VARLEN[k] = None
+
+
 def _group_attention(
     group: AttentionGroup,
     q_tok: torch.Tensor,  # [T, Hq, D]
@@ -195,11 +331,9 @@ def paged_attention(
         return out.view(1, num_tokens, h_q, d), None
     out = torch.empty(num_tokens, h_q, d, dtype=query.dtype, device=query.device)
     for group in meta.groups:  # at most two: decode, prefill
-        if group.fresh_prompt and (sliding_window is None or group.num_keys <= sliding_window):
-            own = slice(group.token_start, group.token_start + group.num_keys)
-            q, k, v = query[:, :, own], key[:, :, own], value[:, :, own]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != h_q)
-            out[own] = o[0].transpose(0, 1)
+        if group.fresh_prompt and (sliding_window is None or group.num_keys <= sliding_window
+                                   or varlen_kernel(query) is not None):  # fmt: skip
+            _fresh_attention(group, query, key, value, out, scaling, sliding_window)
             continue
         if group.seq_lens is not None:
             out[group.token_start : group.token_start + group.seq_lens.shape[0]] = _kernel_attention(

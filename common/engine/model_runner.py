@@ -119,8 +119,10 @@ class ModelRunner:
                 token_index=token_index,
                 valid=valid,
             )
-            if len(prefill) == 1 and starts[num_decode] == 0:  # a whole prompt in one step: its own K/V suffice
-                group.fresh_prompt, group.token_start, group.num_keys = 1, int(offsets[num_decode]), lengths[-1]
+            if not any(starts[num_decode:]):  # whole prompts, each from position 0: their own K/V suffice
+                group.fresh_prompt, group.token_start = len(prefill), int(offsets[num_decode])
+                group.num_keys = max(lengths[num_decode:])
+                group.fresh_bounds = torch.tensor([0] + lengths[num_decode:]).cumsum(0, dtype=torch.int32)
             groups.append(group)
 
         sampling = [i for i, (r, n) in enumerate(ordered) if r.num_computed_tokens + n == r.num_tokens]
@@ -241,6 +243,7 @@ def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
         first_block=group.first_block,
         num_keys=group.num_keys,
         fresh_prompt=group.fresh_prompt,
+        fresh_bounds=group.fresh_bounds,
         block_table=group.block_table,
         seq_lens=group.seq_lens,
         token_index=None if group.token_index is None else group.token_index.to(device),

@@ -196,3 +196,21 @@ def test_cuda_graph_decode_steps_equal_the_eager_engine(model_dir, dtype):
         agree = sum(next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
                     for x, y in zip(results[True], results[False]))  # fmt: skip
         assert agree >= 0.8 * sum(new_tokens), (agree, sum(new_tokens))
+
+
+@pytest.mark.gpu
+def test_prompts_of_one_step_through_the_varlen_kernel(model_dir):
+    """In bf16, a step of whole prompts goes to the installed varlen kernel (flash-attn's or torch's), which passed
+    its check against per-prompt SDPA; the tokens agree with one-prompt-at-a-time steps (no varlen call)."""
+    from common.engine.attention import varlen_kernel
+
+    kernel = varlen_kernel(torch.empty(1, device=CUDA, dtype=torch.bfloat16))
+    if kernel is None:
+        pytest.skip("no varlen attention kernel installed for CUDA bf16")
+    engine = LLMEngine(load_model(model_dir, dtype="bfloat16", device=CUDA), EngineConfig(num_kv_blocks=400))
+    prompts = make_prompts(engine.vocab_size, lens=[5, 60, 200, 400, 33], seed=23)
+    together = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=16, **GREEDY))]
+    assert "causal" in kernel.verified and not kernel.failed, kernel.failed
+    alone = [engine.generate([p], SamplingParams(max_new_tokens=16, **GREEDY))[0].token_ids for p in prompts]
+    agree = sum(next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(together, alone))
+    assert agree >= 0.8 * 16 * len(prompts), (agree, together, alone)
