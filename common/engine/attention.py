@@ -12,8 +12,9 @@ to the registered attention function unchanged. For every layer that function
 Sequences are grouped by shape: the *decode group* holds the sequences with one new token (packed first,
 in order, so its output needs no scatter); the *prefill group* the rest (prompt chunks, recomputes),
 padded to the longest chunk, unless every one is a whole prompt from position 0 (:func:`_fresh_attention`:
-each prompt on its own K/V, by a varlen kernel on CUDA or one causal SDPA per prompt). Grouped-query heads are handled without repeating K/V: the query heads that
-share a KV head are folded into the query-length axis.
+each prompt on its own K/V, by a varlen kernel on CUDA or one causal SDPA per prompt). Grouped-query heads
+are handled without repeating K/V: the query heads that share a KV head are folded into the query-length
+axis.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class WorkerMetrics:
         # Labelled series show up only once touched: touch the ones this role produces, so a fresh worker's
         # scrape already lists every name dashboards and alerts use.
         if role == "prefill":
-            for transport in ("grpc", "shm"):
+            for transport in ("grpc", "shm", "nixl"):
                 self._xfer_s.labels(transport)
             for code in _PRE_INITIALIZED_FAILURE_CODES:
                 self._xfer_failures.labels(code)

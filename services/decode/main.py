@@ -8,6 +8,7 @@ import tempfile
 
 from common.engine.engine_loop import EngineLoop
 from common.engine.identity import ModelIdentity
+from common.kv_transfer import nixl
 from common.kv_transfer.shm import ShmKVReceiver
 from services.decode.servicer import SERVICE_NAME, DecodeServicer, add_to_server
 from services.worker.config import WorkerConfig
@@ -21,11 +22,18 @@ def make_parts(config: WorkerConfig):
         if config.kv_shm:
             os.makedirs(shm_dir, mode=0o700, exist_ok=True)
         shm = ShmKVReceiver(os.path.join(shm_dir, f"kv-{os.getpid()}.sock")) if config.kv_shm else None
+        nixl_receiver = None
+        if config.kv_nixl:
+            if nixl.nixl_api() is None:
+                raise SystemExit(f"--kv-nixl: {nixl.unavailable_reason()}")
+            nixl_receiver = nixl.NixlKVReceiver()
 
         def stop() -> None:
             servicer.close()
             if shm is not None:
                 shm.close()  # removes the socket
+            if nixl_receiver is not None:
+                nixl_receiver.close()
             if own_dir:
                 shutil.rmtree(shm_dir, ignore_errors=True)
 
@@ -37,6 +45,7 @@ def make_parts(config: WorkerConfig):
             max_lease_s=config.kv_lease_s,
             stream_interval=config.stream_interval,
             shm_receiver=shm,
+            nixl_receiver=nixl_receiver,
             metrics=obs.metrics,
             tracing=obs.tracing,
             max_pending_requests=config.max_pending_requests,

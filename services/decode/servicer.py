@@ -38,6 +38,7 @@ from common.engine.identity import ModelIdentity
 from common.engine.omp_teams import run_serially
 from common.kv_transfer.connector import KVReceiver, TransferState
 from common.kv_transfer.grpc_transport import chunk_of_push_kv_request, size_of_probe_link_request
+from common.kv_transfer.nixl import NixlKVReceiver
 from common.kv_transfer.wire import TransferAssembler, WireFormatError, decode_header, header_size_bytes
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing, call_scope
@@ -138,12 +139,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         stream_timeout_s: float = 600.0,
         stream_interval: int = 1,
         shm_receiver: KVReceiver | None = None,
+        nixl_receiver: NixlKVReceiver | None = None,
         metrics: WorkerMetrics | None = None,
         tracing: Tracing | None = None,
         max_pending_requests: int = 256,
         draining: Callable[[], bool] = lambda: False,
     ) -> None:
-        """``shm_receiver``: a same-host shared-memory KV endpoint offered to prefill workers besides PushKv.
+        """``shm_receiver``: a same-host shared-memory KV endpoint offered to prefill workers besides PushKv;
+        ``nixl_receiver``: a NIXL endpoint offered to prefill workers on any host (its agent's metadata).
         ``draining``: True once the worker is stopping; new requests are then refused (reserved ones finish)."""
         self.loop = loop
         self.identity = identity
@@ -155,6 +158,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self._reservations: dict[str, _Reservation] = {}
         self._lock = threading.Lock()  # guards the dict, not the reservations
         self.shm_receiver = shm_receiver
+        self.nixl_receiver = nixl_receiver
+        self._receivers: list[KVReceiver] = [r for r in (shm_receiver, nixl_receiver) if r is not None]
         self.metrics = metrics
         self.tracing = tracing or Tracing("pdserve-decode", environ={})
         self.max_pending_requests = max_pending_requests
@@ -199,9 +204,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         response = worker_pb2.ReserveKvResponse(
             num_blocks=len(blocks), identity=convert.identity_to_proto(self.identity), host=self.host
         )
+        for receiver in self._receivers:  # the same blocks, by whichever transport the prefill worker picks
+            receiver.expect(rid, spec.num_layers, len(blocks), spec, self._writer(reservation), lease_s)
         if self.shm_receiver is not None:
-            self.shm_receiver.expect(rid, spec.num_layers, len(blocks), spec, self._writer(reservation), lease_s)
             response.kv_shm_address = self.shm_receiver.address
+        if self.nixl_receiver is not None:
+            response.kv_nixl_metadata = self.nixl_receiver.metadata
         return response
 
     def _check_room(self, abort: Callable[[grpc.StatusCode, str], None]) -> None:
@@ -218,7 +226,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     def _kv_complete(self, reservation: _Reservation) -> bool:
         if reservation.assembler.complete:
             return True
-        return self.shm_receiver is not None and self.shm_receiver.poll(reservation.request_id) is TransferState.DONE
+        return any(r.poll(reservation.request_id) is TransferState.DONE for r in self._receivers)
 
     def _writer(self, reservation: _Reservation):
         """The write function of a reservation's transfer (either transport): checked chunks land here."""
@@ -481,8 +489,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 reservation.released = True
             with self._lock:
                 self._reservations.pop(rid, None)
-            if self.shm_receiver is not None:
-                self.shm_receiver.abort(rid)  # forget the finished transfer
+            for receiver in self._receivers:
+                receiver.abort(rid)  # forget the finished transfer
             return engine.admit_reserved(
                 rid, list(request.prompt_token_ids), list(request.output_token_ids), sampling, generator_state,
                 report_imported=False,
@@ -515,8 +523,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         """Release a reservation or abort a decoding request; True if there was one. Idempotent."""
         with self._lock:
             reservation = self._reservations.pop(request_id, None)
-        if self.shm_receiver is not None:
-            self.shm_receiver.abort(request_id)  # returns once its write() will not be called again
+        for receiver in self._receivers:
+            receiver.abort(request_id)  # returns once its write() will not be called again
         if reservation is not None:
             with reservation.lock:  # waits for a chunk being written into these blocks
                 reservation.released = True

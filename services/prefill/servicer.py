@@ -32,6 +32,7 @@ from common.engine.engine_loop import EngineLoop, StreamClosed
 from common.engine.identity import ModelIdentity
 from common.kv_transfer.connector import KVSender
 from common.kv_transfer.grpc_transport import GrpcKVSender, PushResult
+from common.kv_transfer.nixl import NixlKVSender
 from common.kv_transfer.shm import ShmKVSender
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing, call_scope
@@ -63,7 +64,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         draining: Callable[[], bool] = lambda: False,
         kv_tls: TlsFiles | None = None,
     ) -> None:
-        """``kv_transport``: "grpc", or "shm" to use shared memory with decode workers on this host.
+        """``kv_transport``: "grpc"; "shm" to use shared memory with decode workers on this host; "nixl" to use NIXL
+        writes with decode workers that offer a NIXL endpoint (any host). Each falls back to gRPC.
         ``draining``: True once the worker is stopping; new prefills are then refused (running ones finish).
         ``kv_tls``: the KV channels to decode workers use mutual TLS with these files (None: plaintext)."""
         self.loop = loop
@@ -84,7 +86,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.host = socket.gethostname()
         self._senders: dict[str, GrpcKVSender | _ConnectorRequest] = {}
         self._channels: dict[str, grpc.Channel] = {}
-        self._shm_senders: dict[str, ShmKVSender] = {}
+        self._connectors: dict[tuple[str, str | bytes], KVSender] = {}  # (transport, decode endpoint) -> channel
         self._lock = threading.Lock()
         # With tensor parallelism the engine cannot stream KV per layer (each rank holds only its heads): the
         # whole KV is gathered after the prefill instead (_send_exported).
@@ -177,7 +179,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                 context.abort(grpc.StatusCode.CANCELLED, str(exc))
         else:
             handoff, result = self._send_exported(rid, sender, context)
-        transport = "shm" if isinstance(sender, _ConnectorRequest) else "grpc"
+        transport = sender.transport if isinstance(sender, _ConnectorRequest) else "grpc"
         if self.metrics is not None:
             if result.ok:
                 self.metrics.observe_kv_sent(transport, result.seconds, result.num_bytes)
@@ -217,11 +219,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         return handoff, sender.finish(self.transfer_timeout_s)
 
     def _sender_for(self, rid: str, request) -> GrpcKVSender | _ConnectorRequest:
-        """Shared memory when asked for and the decode worker offers it on this host; else gRPC."""
+        """Shared memory when asked for and the decode worker offers it on this host, NIXL when asked for and the
+        decode worker offers it; else gRPC."""
         if self.kv_transport == "shm" and request.kv_shm_address and request.kv_target_host == self.host:
-            shm = self._shm_sender(request.kv_shm_address)
+            shm = self._connector("shm", request.kv_shm_address)
             if shm is not None:
-                return _ConnectorRequest(shm, rid)
+                return _ConnectorRequest(shm, rid, "shm")
+        if self.kv_transport == "nixl" and request.kv_nixl_metadata:
+            channel = self._connector("nixl", request.kv_nixl_metadata)
+            if channel is not None:
+                return _ConnectorRequest(channel, rid, "nixl")
         return GrpcKVSender(
             self._channel(request.kv_target_address),
             rid,
@@ -233,22 +240,28 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             metadata=self.tracing.outgoing_metadata(),
         )
 
-    def _shm_sender(self, address: str) -> ShmKVSender | None:
+    def _connector(self, transport: str, endpoint: str | bytes) -> KVSender | None:
+        """The channel to a decode worker's shared-memory socket or NIXL agent (opened on first use, kept), or None
+        (logged) when it cannot be opened: the request then goes by gRPC."""
         with self._lock:
-            sender = self._shm_senders.get(address)
+            sender = self._connectors.get((transport, endpoint))
             if sender is None:
                 try:
-                    sender = self._shm_senders[address] = ShmKVSender(address, max_chunk_bytes=self.chunk_bytes)
-                except ConnectionError as exc:
-                    log.warning("no shared-memory KV channel to %s (%s); using gRPC", address, exc)
+                    if transport == "shm":
+                        sender = ShmKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
+                    else:
+                        sender = NixlKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
+                except (ConnectionError, RuntimeError) as exc:
+                    log.warning("no %s KV channel to the decode worker (%s); using gRPC", transport, exc)
                     return None
+                self._connectors[(transport, endpoint)] = sender
             return sender
 
     def close(self) -> None:
         with self._lock:
-            for sender in self._shm_senders.values():
+            for sender in self._connectors.values():
                 sender.close()
-            self._shm_senders.clear()
+            self._connectors.clear()
 
     def _cancel(self, rid: str) -> None:
         sender = self._senders.pop(rid, None)
@@ -264,11 +277,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
 
 class _ConnectorRequest:
-    """One request's transfer over a :class:`KVSender` (shared memory), with GrpcKVSender's verbs."""
+    """One request's transfer over a :class:`KVSender` (shared memory, NIXL), with GrpcKVSender's verbs."""
 
-    def __init__(self, sender: KVSender, request_id: str) -> None:
+    def __init__(self, sender: KVSender, request_id: str, transport: str) -> None:
         self.sender = sender
         self.request_id = request_id
+        self.transport = transport  # its label in the metrics
 
     def send_layer(self, layer: int, k, v) -> None:
         self.sender.send_layer(self.request_id, layer, k, v)

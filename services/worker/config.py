@@ -80,10 +80,14 @@ class WorkerConfig:
     kv_chunk_bytes: int = field(default=4 << 20, metadata=_help("prefill: largest KV chunk on the wire"))
     kv_transport: str = field(
         default="grpc",
-        metadata={"help": "prefill: grpc, or shm (shared memory to decode workers on the same host, else grpc)",
-                  "choices": ["grpc", "shm"]},
+        metadata={"help": "prefill: grpc, shm (shared memory to decode workers on the same host, else grpc), or nixl "
+                          "(NIXL writes to decode workers that offer it, on any host, else grpc)",
+                  "choices": ["grpc", "shm", "nixl"]},
     )
     kv_shm: bool = field(default=True, metadata=_help("decode: also take KV through shared memory on this host"))
+    kv_nixl: bool = field(
+        default=False, metadata=_help("decode: also take KV by NIXL writes, from any host (needs pdserve[nixl])")
+    )
     kv_shm_dir: str = field(default="", metadata=_help("decode: folder of its shm KV socket (default: a temp dir)"))
     otlp_endpoint: str = field(
         default="", metadata=_help("OTLP gRPC endpoint of traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")

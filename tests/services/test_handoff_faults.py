@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -83,6 +84,33 @@ def test_shared_memory_transport_on_the_same_host(model_dir, hf_reference, monke
         for p, r in zip(prompts, results):
             assert r.token_ids == hf_greedy(hf_reference(model_dir), p, 6)
         assert all(w.kv_blocks_used == 0 for w in wait_all_blocks_free(cluster.redis_url))
+
+
+def test_nixl_transport(model_dir, hf_reference, monkeypatch):
+    """Prefill with --kv-transport nixl, decode with --kv-nixl: the KV goes by NIXL writes (never gRPC), the
+    tokens are stock generate's, and the transfers are counted under transport="nixl"."""
+    from common.kv_transfer import nixl
+
+    if nixl.nixl_api() is None:
+        pytest.skip(nixl.unavailable_reason())
+    import services.prefill.servicer as prefill_servicer
+
+    def no_grpc(*args, **kwargs):
+        raise AssertionError("the gRPC KV sender must not be used when the decode worker offers NIXL")
+
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.setattr(prefill_servicer, "GrpcKVSender", no_grpc)
+    prefill = [{"worker_id": "prefill-0", "kv_transport": "nixl"}]
+    decode = [{"worker_id": "decode-0", "kv_nixl": True, "kv_shm": False}]
+    with inprocess_cluster(model_dir, prefill=prefill, decode=decode) as cluster:
+        with Client(cluster.router, timeout_s=60) as client:
+            prompts = [[7 + i, 8, 9] * (5 + 20 * i) for i in range(3)]
+            results = [client.generate(p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts]
+        for p, r in zip(prompts, results):
+            assert r.token_ids == hf_greedy(hf_reference(model_dir), p, 6)
+        assert all(w.kv_blocks_used == 0 for w in wait_all_blocks_free(cluster.redis_url))
+        metrics = urllib.request.urlopen(f"http://{cluster.metrics['prefill-0']}/metrics", timeout=5).read().decode()
+        assert 'pdserve:kv_transfer_seconds_count{transport="nixl"} 3.0' in metrics
 
 
 def test_seeded_sampling_through_the_cluster_equals_one_engine(model_dir):

@@ -1,0 +1,350 @@
+"""KV transport over NIXL (NVIDIA's inference transfer library, ``pip install 'pdserve[nixl]'``): each chunk lands
+in the receiver's memory by a one-sided NIXL ``WRITE`` (UCX underneath: shared memory, TCP or RDMA, whatever it
+finds between the hosts), announced by the write's own notification; the protocol above it is the arena protocol
+of :mod:`~common.kv_transfer.slots`, as for shared memory, but across hosts.
+
+The life cycle of a channel and of a chunk:
+
+1. :class:`NixlKVReceiver` (decode) holds a NIXL agent; its ``metadata`` (a few hundred bytes: the agent's name
+   and UCX addresses) travels to prefill workers inside the ReserveKv answer and the Prefill request.
+2. :class:`NixlKVSender` (prefill, one per decode worker) creates its own agent and a staging arena registered
+   with it, loads the receiver's metadata and says ``hello`` (its arena size and its own metadata); the receiver
+   loads the sender's metadata, allocates and registers a landing arena of that size for it, answers ``arena``
+   (address and size, and its metadata again: now with that registration, which the sender's writes need).
+3. Sender's writer thread, per chunk: waits for a free slot, writes the chunk into its staging slot (the one copy
+   tensor → staging), then a ``WRITE`` of that slot to the same offset of the landing arena, whose notification
+   ``chunk`` (request id, offset, length) reaches the receiver once the bytes are there.
+4. Receiver's I/O thread polls notifications: ``chunk`` → the wire checks and ``write`` from the landing arena
+   (the one copy arena → KV cache), then ``ack`` (the slot is free again), ``done`` / ``failed`` per request.
+5. Sender's reader thread polls notifications (``ack``, ``done``, ``failed``) and its writes' states: a write
+   that ends in error breaks the channel, failing its requests.
+
+No listener: metadata go through the services' own calls, and the UCX traffic of the writes. NIXL tells neither
+side when the other is gone: the receiver's deadlines and the sender's ``finish`` timeout end such transfers.
+Both arenas are host memory (the KV given to ``send_layer`` is a copy, on the GPU staged to the host first).
+Notes are JSON objects (never pickle); a ``hello`` carries the sender's NIXL metadata after a newline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+
+import torch
+
+from common.engine.omp_teams import run_serially
+from common.kv_transfer.connector import TransferState
+from common.kv_transfer.slots import SlotReceiver, SlotSender, encode
+from common.kv_transfer.wire import WIRE_VERSION
+
+_POLL_S = 0.0002  # notification polling while chunks are in flight
+_IDLE_POLL_S = 0.005  # ... with nothing in flight
+MAX_ARENA_BYTES = 256 << 20  # the most landing memory one sender may ask a receiver for
+
+
+def nixl_api():
+    """NIXL's Python API module (``nixl_agent``, ``nixl_agent_config``), or None when it is not installed."""
+    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            return __import__(name, fromlist=["nixl_agent"])
+        except Exception:  # noqa: BLE001  (not installed, or a backend built for another CUDA)
+            continue
+    return None
+
+
+def unavailable_reason() -> str:
+    """'' when NIXL imports, else why not (for logs and test skips)."""
+    return "" if nixl_api() is not None else "NIXL is not installed (pip install 'pdserve[nixl]')"
+
+
+def _new_agent(role: str):
+    api = nixl_api()
+    if api is None:
+        raise RuntimeError(unavailable_reason())
+    name = f"pdserve-kv-{role}-{os.getpid()}-{secrets.token_hex(4)}"
+    return name, api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+
+
+def _notifs(agent, lock: threading.Lock) -> list[tuple[str, bytes]]:
+    with lock:
+        got = agent.get_new_notifs()
+    return [(peer, msg) for peer, msgs in got.items() for msg in msgs]
+
+
+# -- prefill side ----------------------------------------------------------------------------------------------
+
+
+class NixlKVSender(SlotSender):
+    """Sends to the :class:`NixlKVReceiver` whose ``metadata`` it is given, via its own staging arena.
+
+    The constructor connects (blocking, at most ``connect_timeout_s``) and raises ConnectionError, leaving
+    nothing behind, if the receiver does not answer with a landing arena. ``address`` names the receiver in
+    messages (its agent's name). ``corrupt_next_chunk``: see :class:`~common.kv_transfer.slots.SlotSender`.
+    """
+
+    def __init__(self, metadata: bytes, *, arena_bytes: int = 64 << 20, max_chunk_bytes: int = 4 << 20,
+                 connect_timeout_s: float = 5.0) -> None:  # fmt: skip
+        slot_bytes, num_slots = self.slot_size(max_chunk_bytes, min(arena_bytes, MAX_ARENA_BYTES))
+        size = num_slots * slot_bytes
+        self.name, self._agent = _new_agent("send")
+        self._lock = threading.Lock()  # one NIXL call at a time from this side's threads
+        self._staging = torch.zeros(size, dtype=torch.uint8)
+        self._handles: list = []  # WRITEs not yet DONE (reader thread)
+        self._wake = threading.Event()
+        self._closing_until = 0.0  # once closed: the reader waits this long for unfinished writes
+        try:
+            self._registered = self._agent.register_memory(self._staging)
+            self.receiver = self._agent.add_remote_agent(metadata)
+            self.receiver = self.receiver.decode() if isinstance(self.receiver, bytes) else self.receiver
+            self._landing = self._connect(size, connect_timeout_s)
+        except Exception as e:
+            self._release()
+            raise ConnectionError(f"cannot open a NIXL KV channel: {e}") from e
+        super().__init__(self.receiver, memoryview(self._staging.numpy()), max_chunk_bytes=max_chunk_bytes,
+                         slot_bytes=slot_bytes, thread_name="nixl-kv-writer")  # fmt: skip
+        self._reader = threading.Thread(target=self._read_loop, name="nixl-kv-reader", daemon=True)
+        self._reader.start()
+
+    def _connect(self, size: int, timeout_s: float) -> int:
+        """Say hello; returns the landing arena's address once the receiver answers ``arena``."""
+        hello = encode({"op": "hello", "version": WIRE_VERSION, "size": size})
+        hello += b"\n" + self._agent.get_agent_metadata()
+        with self._lock:
+            self._agent.send_notif(self.receiver, hello)
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            for peer, msg in _notifs(self._agent, self._lock):
+                head, _, metadata = msg.partition(b"\n")
+                reply = json.loads(head) if peer == self.receiver else {}
+                if reply.get("op") == "arena" and reply.get("size") == size:
+                    with self._lock:
+                        self._agent.add_remote_agent(metadata)  # now with the landing arena registered
+                    return int(reply["addr"])
+                if reply.get("op") == "error":
+                    raise ConnectionError(f"the receiver refused the channel: {reply.get('error')}")
+            time.sleep(_POLL_S * 5)
+        raise ConnectionError(f"no answer from NIXL KV receiver {self.receiver} within {timeout_s}s")
+
+    # -- the transport ------------------------------------------------------------------------------------------
+
+    def _announce(self, request_id: str, offset: int, length: int) -> None:
+        note = encode({"op": "chunk", "request_id": request_id, "offset": offset, "length": length})
+        try:
+            with self._lock:
+                local = self._agent.get_xfer_descs(self._staging[offset : offset + length])
+                remote = self._agent.get_xfer_descs([(self._landing + offset, length, 0)], "DRAM")
+                handle = self._agent.initialize_xfer("WRITE", local, remote, self.receiver, note)
+                state = self._agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001  (NIXL raises its own error types)
+            self._on_broken(f"NIXL write to KV receiver {self.receiver} failed: {e!r}")
+            return
+        if state == "ERR":
+            self._on_broken(f"NIXL write to KV receiver {self.receiver} failed")
+        with self._cond:
+            self._handles.append(handle)
+        self._wake.set()
+
+    def _send(self, msg: dict) -> None:
+        try:
+            with self._lock:
+                self._agent.send_notif(self.receiver, encode(msg))
+        except Exception as e:  # noqa: BLE001
+            self._on_broken(f"lost the NIXL channel to KV receiver {self.receiver}: {e!r}")
+
+    def _close_transport(self) -> None:
+        self._send({"op": "bye"})
+        self._closing_until = time.monotonic() + 1.0
+        self._wake.set()
+        self._reader.join()
+        self._arena_view.release()
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            for handle in self._handles:
+                try:
+                    self._agent.release_xfer_handle(handle)
+                except Exception:  # noqa: BLE001, S110  (an unfinished write: its memory goes with the agent)
+                    pass
+            self._handles = []
+            registered = getattr(self, "_registered", None)
+            if registered is not None:
+                self._agent.deregister_memory(registered)
+                self._registered = None
+            if isinstance(getattr(self, "receiver", None), str):
+                try:
+                    self._agent.remove_remote_agent(self.receiver)
+                except Exception:  # noqa: BLE001, S110
+                    pass
+
+    # -- the reader thread --------------------------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        run_serially()
+        while True:
+            for peer, msg in _notifs(self._agent, self._lock):
+                if peer != self.receiver:
+                    continue
+                try:
+                    self._on_message(json.loads(msg))
+                except (ValueError, KeyError, TypeError) as e:
+                    self._on_broken(f"protocol error from KV receiver {self.receiver}: {e!r} in {msg[:200]!r}")
+            self._check_writes()
+            with self._cond:
+                closed, writing, busy = self._closed, bool(self._handles), bool(self._in_flight or self._handles)
+            if closed and (not writing or time.monotonic() > self._closing_until):
+                return
+            self._wake.wait(_POLL_S if busy else _IDLE_POLL_S)
+            self._wake.clear()
+
+    def _check_writes(self) -> None:
+        with self._cond:
+            handles = list(self._handles)
+        done, failed = [], False
+        for handle in handles:
+            with self._lock:
+                state = self._agent.check_xfer_state(handle)
+                if state in ("DONE", "ERR"):
+                    self._agent.release_xfer_handle(handle)
+            if state in ("DONE", "ERR"):
+                done.append(handle)
+                failed |= state == "ERR"
+        if done:
+            with self._cond:
+                self._handles = [h for h in self._handles if h not in done]
+        if failed:
+            self._on_broken(f"a NIXL write to KV receiver {self.receiver} failed")
+
+
+# -- decode side -----------------------------------------------------------------------------------------------
+
+
+class _NixlPeer:
+    """One sender: its agent name and, after ``hello``, the landing arena registered for it."""
+
+    def __init__(self, receiver: NixlKVReceiver, name: str) -> None:
+        self.receiver = receiver
+        self.name = name
+        self.arena: torch.Tensor | None = None
+        self.view: memoryview | None = None
+        self.registered = None
+
+    def send(self, data: bytes) -> None:
+        try:
+            with self.receiver._nixl_lock:
+                self.receiver._agent.send_notif(self.name, data)
+        except Exception:  # noqa: BLE001, S110  (a gone sender: its transfers fail by their deadline)
+            pass
+
+    def close(self) -> None:
+        agent = self.receiver._agent
+        with self.receiver._nixl_lock:
+            if self.registered is not None:
+                agent.deregister_memory(self.registered)
+            try:
+                agent.remove_remote_agent(self.name)
+            except Exception:  # noqa: BLE001, S110
+                pass
+        if self.view is not None:
+            self.view.release()
+
+
+class NixlKVReceiver(SlotReceiver):
+    """Receives from any number of :class:`NixlKVSender`, on this host or others; ``metadata`` is what senders
+    need to reach it, ``address`` its agent's name. One I/O thread polls NIXL's notifications, checks the chunks
+    and calls the ``write`` callbacks."""
+
+    def __init__(self, *, max_arena_bytes: int = MAX_ARENA_BYTES) -> None:
+        name, self._agent = _new_agent("recv")
+        super().__init__(name)
+        self.max_arena_bytes = max_arena_bytes
+        self._nixl_lock = threading.Lock()
+        self.metadata: bytes = self._agent.get_agent_metadata()
+        self._peers: dict[str, _NixlPeer] = {}
+        self._woken = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="nixl-kv-receiver", daemon=True)
+        self._thread.start()
+
+    def _wake(self) -> None:
+        self._woken.set()
+
+    # -- the I/O thread -----------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        run_serially()  # writes KV beside the engine's step: no OpenMP team of its own
+        try:
+            while not self._closed:
+                got = _notifs(self._agent, self._nixl_lock)
+                for peer, msg in got:
+                    self._on_note(peer, msg)
+                self._flush_outbox()
+                self._expire_all()
+                with self._cond:
+                    busy = bool(got) or any(not e.state.is_terminal and e.peer is not None
+                                            for e in self._expected.values())  # fmt: skip
+                self._woken.wait(min(_POLL_S if busy else _IDLE_POLL_S, self._next_timeout_s()))
+                self._woken.clear()
+        finally:
+            why = f"KV receiver {self.address} closed"
+            with self._cond:
+                entries = list(self._expected.items())
+            for request_id, entry in entries:
+                with entry.feed_lock:
+                    self._end(request_id, entry, TransferState.FAILED, why)
+            self._flush_outbox()  # the senders hear of it
+            for peer in list(self._peers.values()):
+                peer.close()
+            self._fail_expected(why)
+
+    def _on_note(self, name: str, msg: bytes) -> None:
+        head, _, extra = msg.partition(b"\n")
+        try:
+            note = json.loads(head)
+            op = note["op"]
+            peer = self._peers.get(name)
+            if op == "hello":
+                self._hello(name, note, extra)
+            elif peer is None or peer.view is None:
+                raise ValueError(f"{op!r} before hello")
+            elif op == "chunk":
+                self._on_chunk(peer, note["request_id"], note["offset"], note["length"])
+            elif op == "abort":
+                self._sender_aborted(note["request_id"])
+            elif op == "bye":
+                self._drop(peer, "the KV sender closed its channel")
+            else:
+                raise ValueError(f"unexpected message {op!r}")
+        except (KeyError, TypeError, ValueError) as e:
+            peer = self._peers.get(name)
+            if peer is not None:
+                self._drop(peer, f"protocol error: {e!r} in message {msg[:200]!r}")
+
+    def _hello(self, name: str, note: dict, metadata: bytes) -> None:
+        if name in self._peers:
+            self._drop(self._peers[name], "the KV sender said hello again")
+        size = note.get("size")
+        with self._nixl_lock:
+            self._agent.add_remote_agent(metadata)
+        peer = self._peers[name] = _NixlPeer(self, name)
+        if note.get("version") != WIRE_VERSION or not isinstance(size, int) or not 0 < size <= self.max_arena_bytes:
+            error = (f"sender speaks wire version {note.get('version')}, this receiver {WIRE_VERSION}"
+                     if note.get("version") != WIRE_VERSION else f"arena of {size} bytes refused (at most "
+                     f"{self.max_arena_bytes})")  # fmt: skip
+            peer.send(encode({"op": "error", "error": error}))
+            self._drop(peer, error)
+            return
+        peer.arena = torch.zeros(size, dtype=torch.uint8)
+        with self._nixl_lock:
+            peer.registered = self._agent.register_memory(peer.arena)
+        peer.view = memoryview(peer.arena.numpy())
+        with self._nixl_lock:  # the sender needs the arena's registration: the metadata since it
+            metadata = self._agent.get_agent_metadata()
+        peer.send(encode({"op": "arena", "addr": peer.arena.data_ptr(), "size": size}) + b"\n" + metadata)
+
+    def _drop(self, peer: _NixlPeer, why: str) -> None:
+        self._peers.pop(peer.name, None)
+        self._fail_peer(peer, why)
+        peer.close()
