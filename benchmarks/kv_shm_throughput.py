@@ -1,6 +1,7 @@
-"""KV over shared memory between two processes: throughput of common.kv_transfer.shm (target >= 4 GB/s).
+"""KV between two processes over shared memory (common.kv_transfer.shm, target >= 4 GB/s) or NIXL (``--transport
+nixl``: common.kv_transfer.nixl, UCX between the two processes' agents).
 
-    python benchmarks/kv_shm_throughput.py [--total-mib 256] [--max-chunk-mib 4] [--arena-mib 64]
+    python benchmarks/kv_shm_throughput.py [--transport shm|nixl] [--total-mib 256] [--max-chunk-mib 4] [--arena-mib 64]
 
 Moves bf16 KV (32 layers, random bits: the transfer must be bit-exact) to a spawned receiver process several
 times and prints each round's rate and the median of the warm rounds (the last line: ``median X GB/s``).
@@ -22,10 +23,17 @@ from common.engine.kv_cache import KVCacheSpec  # noqa: E402
 from common.kv_transfer.shm import ShmKVReceiver, ShmKVSender  # noqa: E402
 
 
-def _bench_receiver(address: str, spec: KVCacheSpec, num_blocks: int, num_rounds: int, conn) -> None:
+def _bench_receiver(transport: str, address: str, spec: KVCacheSpec, num_blocks: int, num_rounds: int,
+                    conn) -> None:  # fmt: skip
     """Child process: receive ``num_rounds`` requests into one KV buffer, one at a time; report each."""
     torch.set_num_threads(1)  # see bench()
-    receiver = ShmKVReceiver(address)
+    if transport == "nixl":
+        from common.kv_transfer.nixl import NixlKVReceiver
+
+        receiver = NixlKVReceiver()
+        conn.send(receiver.metadata)
+    else:
+        receiver = ShmKVReceiver(address)
     kv = torch.zeros((spec.num_layers, 2, *spec.block_shape(num_blocks)), dtype=spec.dtype)  # [L, 2, n, bs, H, D]
 
     def write(layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -44,7 +52,8 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
 
 
-def bench(total_mib: int = 256, max_chunk_mib: int = 4, arena_mib: int = 64, num_rounds: int = 5) -> None:
+def bench(total_mib: int = 256, max_chunk_mib: int = 4, arena_mib: int = 64, num_rounds: int = 5,
+          transport: str = "shm") -> None:
     """Move ``total_mib`` of bf16 KV (32 layers, K and V) to another process ``num_rounds`` times; print GB/s."""
     import multiprocessing
     import shutil
@@ -64,13 +73,19 @@ def bench(total_mib: int = 256, max_chunk_mib: int = 4, arena_mib: int = 64, num
     address = os.path.join(tempfile.mkdtemp(prefix="pdkv-"), "bench.sock")
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_bench_receiver, args=(address, spec, num_blocks, num_rounds, child))
+    proc = ctx.Process(target=_bench_receiver, args=(transport, address, spec, num_blocks, num_rounds, child))
     proc.start()
     try:
+        metadata = parent.recv() if transport == "nixl" and parent.poll(60) else b""
         if not parent.poll(60) or parent.recv() != "ready":
             raise RuntimeError("benchmark receiver did not start")  # (its first "ready")
-        sender = ShmKVSender(address, arena_bytes=arena_mib << 20, max_chunk_bytes=max_chunk_mib << 20)
-        print(f"moving {num_bytes / 2**20:.0f} MiB ({num_layers} layers x {num_blocks} blocks, bf16) "
+        if transport == "nixl":
+            from common.kv_transfer.nixl import NixlKVSender
+
+            sender = NixlKVSender(metadata, arena_bytes=arena_mib << 20, max_chunk_bytes=max_chunk_mib << 20)
+        else:
+            sender = ShmKVSender(address, arena_bytes=arena_mib << 20, max_chunk_bytes=max_chunk_mib << 20)
+        print(f"{transport}: moving {num_bytes / 2**20:.0f} MiB ({num_layers} layers x {num_blocks} blocks, bf16) "
               f"in chunks of <= {max_chunk_mib} MiB through a {arena_mib} MiB arena, {num_rounds} rounds")  # fmt: skip
         expected_crc = _crc(layers)
         rates = []  # GB/s per round
@@ -101,5 +116,6 @@ if __name__ == "__main__":
     parser.add_argument("--total-mib", type=int, default=256)
     parser.add_argument("--max-chunk-mib", type=int, default=4)
     parser.add_argument("--arena-mib", type=int, default=64)
+    parser.add_argument("--transport", choices=("shm", "nixl"), default="shm")
     args = parser.parse_args()
-    bench(args.total_mib, args.max_chunk_mib, args.arena_mib)
+    bench(args.total_mib, args.max_chunk_mib, args.arena_mib, transport=args.transport)
