@@ -1,10 +1,12 @@
-"""One prefill step of several whole prompts, two ways in one process: each prompt attending to its own K/V (one
-causal SDPA per prompt, the engine's path since 2026-12-04) against the older path (the group gathered from the
-cache, padded to its longest prompt, one masked SDPA). The same scheduled prompts are prepared for every
-measurement; the old path is the same batch with the group's ``fresh_prompt`` cleared. Pairs alternate, the
-medians are compared; the largest logit difference between the two paths is printed.
+"""One prefill step of several prompts, two ways in one process: each sequence attending by itself (the engine's
+paths since 2026-12-04: whole prompts by one causal SDPA each on their own K/V; with ``--prefixes``, chunks after
+cached prefixes by one masked SDPA each over their own keys) against the older path (the group gathered, padded to
+its longest chunk and context, one masked SDPA). The same scheduled prompts are prepared for every measurement; the
+old path is the same batch with the group's ``fresh_prompt`` / ``seq_spans`` cleared. Pairs alternate, the medians
+are compared; the largest logit difference between the two paths is printed.
 
-  python benchmarks/prefill_step_ab.py [--size 60m|350m] [--dtype float32|bfloat16] [--lens 50,100,...] [--pairs 5]
+  python benchmarks/prefill_step_ab.py [--size 60m|350m] [--dtype float32|bfloat16] [--lens 50,100,...]
+                                       [--prefixes 64,128,...] [--pairs 5]
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ def step(engine: LLMEngine, prompts: list[list[int]], per_prompt: bool) -> tuple
         raise SystemExit("the prompts do not fit one step: fewer or shorter --lens")
     batch = engine.runner.prepare(sched.scheduled)
     group = batch.attn.groups[-1]
-    assert group.fresh_prompt == len(prompts)
+    if group.fresh_prompt != len(prompts) and group.seq_spans is None:
+        raise SystemExit("the step is neither whole prompts nor chunks worth attending one by one")
     if not per_prompt:
-        group.fresh_prompt = 0
+        group.fresh_prompt, group.seq_spans = 0, None
     t = time.perf_counter()
     logits = engine.runner.run(batch)
     seconds = time.perf_counter() - t
@@ -55,16 +58,23 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lens", default="50,100,150,200,250,300,350,400", help="prompt lengths, comma-separated")
+    ap.add_argument("--prefixes", default="", help="cached prefix lengths, one per prompt (default: none)")
     ap.add_argument("--pairs", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lens = [int(n) for n in args.lens.split(",")]
     loaded = load_model(model_dir(args.model, args.size), dtype=args.dtype)
-    engine = LLMEngine(loaded, EngineConfig(prefix_caching=False, max_num_batched_tokens=max(2048, sum(lens)),
-                                            num_threads=args.threads))  # fmt: skip
+    prefix_lens = [int(n) for n in args.prefixes.split(",")] if args.prefixes else []
+    if prefix_lens and len(prefix_lens) != len(lens):
+        raise SystemExit("--prefixes needs one length per prompt")
+    engine = LLMEngine(loaded, EngineConfig(prefix_caching=bool(prefix_lens), num_threads=args.threads,
+                                            max_num_batched_tokens=max(2048, sum(lens))))  # fmt: skip
     g = torch.Generator().manual_seed(0)
     vocab = min(len(engine.tokenizer), engine.vocab_size)
-    prompts = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lens]
+    prefixes = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in prefix_lens] or [[] for _ in lens]
+    if prefix_lens:  # computed once: cached from here on
+        engine.generate(prefixes, SamplingParams(max_new_tokens=1, temperature=0.0))
+    prompts = [p + torch.randint(4, vocab, (n,), generator=g).tolist() for p, n in zip(prefixes, lens)]
     step(engine, prompts, True)  # warm-up (and the flat forward's one check)
     step(engine, prompts, False)
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -75,8 +85,9 @@ def main() -> None:
             times[per_prompt].append(seconds)
     new, old = statistics.median(times[True]), statistics.median(times[False])
     diff = float((logits[True] - logits[False]).abs().max())
-    print(f"{args.size} {args.dtype}, prompts {lens}: per-prompt {new * 1e3:,.1f} ms, padded {old * 1e3:,.1f} ms, "
-          f"ratio {old / new:.3f}x (medians of {args.pairs}); max |logit difference| {diff:.2e}")
+    cached = f" after cached prefixes {prefix_lens}" if prefix_lens else ""
+    print(f"{args.size} {args.dtype}, new tokens {lens}{cached}: one by one {new * 1e3:,.1f} ms, padded "
+          f"{old * 1e3:,.1f} ms, ratio {old / new:.3f}x (medians of {args.pairs}); max |logit difference| {diff:.2e}")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,9 @@ class AttentionGroup:
     num_keys: int = 0
     fresh_prompt: int = 0  # n whole prompts: packed tokens token_start + [fresh_bounds[i], fresh_bounds[i + 1])
     fresh_bounds: torch.Tensor | None = None  # [n + 1] int32 on the CPU
+    # a prefill group of several sequences: (packed index of its first new token, its first position, its new
+    # tokens) per sequence, [B, 3] int64 on the CPU; each then attends by itself (_per_sequence_attention)
+    seq_spans: torch.Tensor | None = None
     # decode group on the CPU kernel: block table [B, nb] and keys per sequence [B] (int64, contiguous)
     block_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
@@ -274,6 +277,32 @@ def _drop_varlen(kernel: VarlenKernel, why: str) -> None:
         _VARLEN[k] = None
 
 
+def _per_sequence_attention(
+    group: AttentionGroup,
+    q_tok: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [B, Hkv, K, D]: the group's gathered keys
+    v: torch.Tensor,
+    out: torch.Tensor,  # [T, Hq, D], written
+    scaling: float | None,
+    sliding_window: int | None,
+) -> None:
+    """A prefill group's sequences one by one, each over its own keys only (not padded to the group's longest
+    chunk and context): one masked SDPA per sequence (key j visible to the query at position p iff j <= p, and
+    p - j < window)."""
+    gqa = k.shape[1] != q_tok.shape[1]
+    for b, (offset, start, n) in enumerate(group.seq_spans.tolist()):
+        keys = start + n
+        q = q_tok[offset : offset + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        pos = torch.arange(start, keys, device=q.device)[:, None]
+        j = torch.arange(keys, device=q.device)[None, :]
+        mask = j <= pos
+        if sliding_window is not None:
+            mask &= j > pos - sliding_window
+        o = F.scaled_dot_product_attention(q, k[b : b + 1, :, :keys].to(q.dtype), v[b : b + 1, :, :keys].to(q.dtype),
+                                           attn_mask=mask, scale=scaling, enable_gqa=gqa)  # fmt: skip
+        out[offset : offset + n] = o[0].transpose(0, 1)
+
+
 def _group_attention(
     group: AttentionGroup,
     q_tok: torch.Tensor,  # [T, Hq, D]
@@ -342,6 +371,9 @@ def paged_attention(
             )
             continue
         k, v = meta.gather(layer, group)
+        if group.seq_spans is not None:
+            _per_sequence_attention(group, q_tok, k, v, out, scaling, sliding_window)
+            continue
         o = _group_attention(group, q_tok, k.to(query.dtype), v.to(query.dtype), scaling, sliding_window)
         if group.token_index is None:
             out[group.token_start : group.token_start + o.shape[0]] = o[:, 0]

@@ -160,3 +160,45 @@ def test_a_kernel_that_differs_or_raises_is_dropped(how, tiny_model_dir, hf_refe
     assert got == [hf_greedy(hf_reference(d), p, 12) for p in prompts]
     assert kernel.failed and not kernel.verified and "varlen attention bad dropped" in caplog.text
     assert len(calls) == (how == "differs")  # tried once, on the first layer, then never again
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("mistral", {"sliding_window": 24})],
+                         ids=["llama", "mistral-window"])  # fmt: skip
+def test_chunks_after_cached_prefixes_attend_one_sequence_at_a_time(arch, overrides, tiny_model_dir, hf_reference):
+    """Prompts continuing cached prefixes of different lengths, in one step: each sequence attends over its own
+    keys (not padded to the group's longest), the logits those of the padded group, the tokens stock generate's;
+    chunks of one shape stay one padded group."""
+    d = tiny_model_dir(arch, **overrides)
+    engine = make_engine(d, block_size=4, cpu_kernels=False)
+    prefixes = make_prompts(engine.vocab_size, lens=[8, 40, 16, 60], seed=12)
+    engine.generate(prefixes, SamplingParams(max_new_tokens=1, **GREEDY))  # now cached
+    extensions = make_prompts(engine.vocab_size, lens=[30, 3, 12, 21], seed=13)
+    prompts = [p + e for p, e in zip(prefixes, extensions)]
+    spans, logits = [], []
+    prepare, run = engine.runner.prepare, engine.runner.run
+
+    def spy_prepare(scheduled, **kwargs):
+        batch = prepare(scheduled, **kwargs)
+        if batch.attn is not None:
+            spans.append((batch.attn.groups[-1].fresh_prompt, batch.attn.groups[-1].seq_spans))
+        return batch
+
+    def spy_run(batch):
+        got = run(batch)
+        group = batch.attn.groups[-1] if batch.attn is not None else None
+        if group is not None and group.seq_spans is not None:  # the same step, padded, for comparison
+            group.seq_spans, group._masks = None, {}
+            logits.append((got, run(batch)))
+        return got
+
+    engine.runner.prepare, engine.runner.run = spy_prepare, spy_run
+    got = generate_together(engine, prompts, 10)
+    assert spans[0][0] == 0 and spans[0][1][:, 1:].tolist() == [[8, 30], [40, 3], [16, 12], [60, 21]]
+    (per_sequence, padded), = logits
+    assert float((per_sequence - padded).abs().max()) < 1e-4
+    reference = hf_reference(d)
+    assert got == [hf_greedy(reference, p, 10) for p in prompts]
+    same = [p + e for p, e in zip(prefixes, make_prompts(engine.vocab_size, lens=[8, 8, 8, 8], seed=14))]
+    spans.clear()
+    generate_together(engine, [p[:16] + p[-8:] for p in same[2:]], 2)  # two chunks of 8 after 16 cached tokens
+    assert spans[0] == (0, None)
