@@ -42,7 +42,10 @@ the same chunk bytes inside a bytes field of a streaming RPC.
 from __future__ import annotations
 
 import enum
+import threading
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -189,3 +192,45 @@ class KVReceiver(ABC):
     @abstractmethod
     def close(self) -> None:
         """Fail every pending request, stop the transport and free its resources (idempotent)."""
+
+
+class SenderPool:
+    """A prefill worker's open channels to decode workers, one per (transport, endpoint), opened on first use.
+
+    Decode workers come and go (autoscaling, restarts) and a channel holds an arena (64 MiB by default): a channel
+    whose transport broke (``sender.broken``) or that carried no request for ``idle_s`` is closed when the pool
+    is next used (on a thread of its own: closing may wait briefly for unfinished writes). ``idle_s`` must exceed
+    the longest transfer; a request's channel is marked used when it is taken.
+    """
+
+    def __init__(self, idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.idle_s = idle_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._senders: dict[Hashable, tuple[KVSender, float]] = {}  # key -> (sender, last used)
+
+    def get(self, key: Hashable, open_sender: Callable[[], KVSender]) -> KVSender:
+        """The channel for ``key``, opened by ``open_sender()`` if there is none (its exceptions propagate)."""
+        now = self._clock()
+        with self._lock:
+            stale = [k for k, (s, used) in self._senders.items()
+                     if getattr(s, "broken", "") or now - used > self.idle_s]  # fmt: skip
+            dropped = [self._senders.pop(k)[0] for k in stale]
+            entry = self._senders.get(key)
+            sender = entry[0] if entry is not None else open_sender()
+            self._senders[key] = (sender, now)
+        for old in dropped:
+            threading.Thread(target=old.close, name="kv-channel-close", daemon=True).start()
+        return sender
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._senders)
+
+    def close(self) -> None:
+        """Close every channel (the worker is stopping)."""
+        with self._lock:
+            senders = [s for s, _ in self._senders.values()]
+            self._senders.clear()
+        for sender in senders:
+            sender.close()

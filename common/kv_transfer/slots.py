@@ -121,6 +121,12 @@ class SlotSender(KVSender):
         self._writer = threading.Thread(target=self._write_loop, name=thread_name, daemon=True)
         self._writer.start()
 
+    @property
+    def broken(self) -> str:
+        """Why the channel is unusable ('' while it works): every transfer on it fails from then on."""
+        with self._cond:
+            return self._broken
+
     @staticmethod
     def slot_size(max_chunk_bytes: int, arena_bytes: int) -> tuple[int, int]:
         """(slot bytes, slots) of an arena of ``arena_bytes`` for chunks of at most ``max_chunk_bytes``."""

@@ -30,7 +30,7 @@ import grpc
 from common.engine.counters import unix_time_of
 from common.engine.engine_loop import EngineLoop, StreamClosed
 from common.engine.identity import ModelIdentity
-from common.kv_transfer.connector import KVSender
+from common.kv_transfer.connector import KVSender, SenderPool
 from common.kv_transfer.grpc_transport import GrpcKVSender, PushResult
 from common.kv_transfer.nixl import NixlKVSender
 from common.kv_transfer.shm import ShmKVSender
@@ -86,7 +86,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.host = socket.gethostname()
         self._senders: dict[str, GrpcKVSender | _ConnectorRequest] = {}
         self._channels: dict[str, grpc.Channel] = {}
-        self._connectors: dict[tuple[str, str | bytes], KVSender] = {}  # (transport, decode endpoint) -> channel
+        self._connectors = SenderPool()  # (transport, decode worker's endpoint) -> channel
         self._lock = threading.Lock()
         # With tensor parallelism the engine cannot stream KV per layer (each rank holds only its heads): the
         # whole KV is gathered after the prefill instead (_send_exported).
@@ -241,27 +241,23 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         )
 
     def _connector(self, transport: str, endpoint: str | bytes) -> KVSender | None:
-        """The channel to a decode worker's shared-memory socket or NIXL agent (opened on first use, kept), or None
-        (logged) when it cannot be opened: the request then goes by gRPC."""
-        with self._lock:
-            sender = self._connectors.get((transport, endpoint))
-            if sender is None:
-                try:
-                    if transport == "shm":
-                        sender = ShmKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
-                    else:
-                        sender = NixlKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
-                except (ConnectionError, RuntimeError) as exc:
-                    log.warning("no %s KV channel to the decode worker (%s); using gRPC", transport, exc)
-                    return None
-                self._connectors[(transport, endpoint)] = sender
-            return sender
+        """The channel to a decode worker's shared-memory socket or NIXL agent (opened on first use, kept while in
+        use: :class:`~common.kv_transfer.connector.SenderPool`), or None (logged) when it cannot be opened: the
+        request then goes by gRPC."""
+
+        def open_sender() -> KVSender:
+            if transport == "shm":
+                return ShmKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
+            return NixlKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
+
+        try:
+            return self._connectors.get((transport, endpoint), open_sender)
+        except (ConnectionError, RuntimeError) as exc:
+            log.warning("no %s KV channel to the decode worker (%s); using gRPC", transport, exc)
+            return None
 
     def close(self) -> None:
-        with self._lock:
-            for sender in self._connectors.values():
-                sender.close()
-            self._connectors.clear()
+        self._connectors.close()
 
     def _cancel(self, rid: str) -> None:
         sender = self._senders.pop(rid, None)

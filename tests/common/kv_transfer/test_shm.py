@@ -133,6 +133,7 @@ def test_receiver_killed_mid_transfer_fails_the_sender_quickly_and_leaks_nothing
     assert time.monotonic() - start < 2.0
     assert result.state is TransferState.FAILED
     assert result.error.startswith(f"lost the connection to KV receiver {address!r}: ")  # closed / broken pipe
+    assert sender.broken == result.error  # what a prefill worker's SenderPool replaces the channel on
     sender.close()
 
 
