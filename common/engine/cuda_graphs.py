@@ -12,14 +12,15 @@ A graph replays fixed shapes at fixed addresses, so every decode step is put int
 - the block table padded to the next of 1, 2, 3, 4, 6, 8, 12, 16, ... blocks (powers of two and their 1.5x, up
   to the blocks of ``max_model_len``) with the scratch block; the attention is the path every device has (the
   blocks gathered, one masked SDPA: :mod:`common.engine.attention`), and the mask hides every key past a
-  sequence's position, so the padding changes no real row's numbers, only how many keys are read (< 1.5x).
+  sequence's position, so the padding changes what a real row attends to in nothing, and its numbers at most by
+  rounding (a padded batch may take other matmul kernels); it costs reading up to 1.5x the keys.
 
 The step's inputs (token, position, slot, block table) are copied into static tensors that the graph reads; the
 metadata (write and gather indices, mask) is computed inside the graph from them. A bucket's graph is captured
-the first time a step needs it, after an eager run of the same forward on the same inputs (warm-up, on a side
-stream, as PyTorch asks); its first replay must give that eager run's logits (tokens equal, values within
-rounding), else the graphs are switched off with a warning and the engine goes on without them. Graphs share
-one memory pool; a replay's logits are valid until the next replay (the engine samples them first).
+the first time a step needs it, after an eager run of the same forward on the same inputs (the warm-up); its
+first replay must give that eager run's logits (tokens equal, values within rounding), else the graphs are
+switched off with a warning and the engine goes on without them. Graphs share one memory pool; a replay's
+logits are valid until the next replay (the engine samples them first).
 
 Not with tensor parallelism (the engine keeps the graphs off there), nor for a step that streams a prompt's
 KV layer by layer (such steps run eagerly). On the CPU (``capture=False``) the same static-shape path runs
@@ -160,12 +161,9 @@ class DecodeGraphs:
         """(the eager logits of the current inputs, a replay function returning the graph's static logits)."""
         device = self.kv_cache.data.device
         with torch.cuda.device(device):
-            main = torch.cuda.current_stream()
-            side = torch.cuda.Stream()
-            side.wait_stream(main)
-            with torch.cuda.stream(side):  # warm-up off the capture stream: lazy initialisation, kernel choice
-                eager = self._forward(bc, nc).clone()
-            main.wait_stream(side)
+            # warm-up on the engine's own stream (lazy initialisation, kernel choice; the gather buffer it may grow
+            # stays the eager steps' buffer, on their stream), then the capture, on torch.cuda.graph's stream
+            eager = self._forward(bc, nc).clone()
             kv = self.kv_cache
             kept, kv._gather_buf = kv._gather_buf, kv.data.new_empty(0)  # the graph's gather buffer: its pool's
             graph = torch.cuda.CUDAGraph()
