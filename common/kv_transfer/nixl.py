@@ -20,7 +20,11 @@ The life cycle of a channel and of a chunk:
    that ends in error breaks the channel, failing its requests.
 
 No listener: metadata go through the services' own calls, and the UCX traffic of the writes. NIXL tells neither
-side when the other is gone: the receiver's deadlines and the sender's ``finish`` timeout end such transfers.
+side when the other is gone: the receiver's deadlines and the sender's ``finish`` timeout end such transfers, and
+a sender silent for ``peer_idle_s`` (15 minutes) loses its landing arena (it is told ``dropped``; one still there
+opens a new channel). A closing sender says ``bye`` after its last write completed; a dropped arena is
+deregistered at once and its memory freed a minute later, so a write still on its way never lands in memory the
+receiver reuses.
 Both arenas are host memory (the KV given to ``send_layer`` is a copy, on the GPU staged to the host first).
 Notes are JSON objects (never pickle); a ``hello`` carries the sender's NIXL metadata after a newline.
 """
@@ -43,6 +47,8 @@ from common.kv_transfer.wire import WIRE_VERSION
 _POLL_S = 0.0002  # notification polling while chunks are in flight
 _IDLE_POLL_S = 0.005  # ... with nothing in flight
 MAX_ARENA_BYTES = 256 << 20  # the most landing memory one sender may ask a receiver for
+PEER_IDLE_S = 900.0  # a sender silent this long loses its landing arena (see NixlKVReceiver)
+ARENA_GRACE_S = 60.0  # a dropped sender's landing arena is freed this long after its deregistration
 
 
 def nixl_api():
@@ -155,10 +161,10 @@ class NixlKVSender(SlotSender):
             self._on_broken(f"lost the NIXL channel to KV receiver {self.receiver}: {e!r}")
 
     def _close_transport(self) -> None:
-        self._send({"op": "bye"})
         self._closing_until = time.monotonic() + 1.0
         self._wake.set()
-        self._reader.join()
+        self._reader.join()  # after the writes still running (at most a second)
+        self._send({"op": "bye"})  # the receiver may free the landing arena now
         self._arena_view.release()
         self._release()
 
@@ -189,8 +195,12 @@ class NixlKVSender(SlotSender):
                 if peer != self.receiver:
                     continue
                 try:
-                    self._on_message(json.loads(msg))
-                except (ValueError, KeyError, TypeError) as e:
+                    note = json.loads(msg)
+                    if note.get("op") == "dropped":  # the receiver forgot this channel: the pool opens a new one
+                        self._on_broken(note.get("error") or f"KV receiver {self.receiver} dropped the channel")
+                        continue
+                    self._on_message(note)
+                except (ValueError, KeyError, TypeError, AttributeError) as e:
                     self._on_broken(f"protocol error from KV receiver {self.receiver}: {e!r} in {msg[:200]!r}")
             self._check_writes()
             with self._cond:
@@ -231,6 +241,7 @@ class _NixlPeer:
         self.arena: torch.Tensor | None = None
         self.view: memoryview | None = None
         self.registered = None
+        self.last_seen_s = time.monotonic()  # its last note
 
     def send(self, data: bytes) -> None:
         try:
@@ -240,16 +251,22 @@ class _NixlPeer:
             pass
 
     def close(self) -> None:
+        """Deregister its arena and forget its agent; the arena's memory itself is freed later (:meth:`free`)."""
         agent = self.receiver._agent
         with self.receiver._nixl_lock:
             if self.registered is not None:
                 agent.deregister_memory(self.registered)
+                self.registered = None
             try:
                 agent.remove_remote_agent(self.name)
             except Exception:  # noqa: BLE001, S110
                 pass
+
+    def free(self) -> None:
         if self.view is not None:
             self.view.release()
+            self.view = None
+        self.arena = None
 
 
 class NixlKVReceiver(SlotReceiver):
@@ -257,13 +274,18 @@ class NixlKVReceiver(SlotReceiver):
     need to reach it, ``address`` its agent's name. One I/O thread polls NIXL's notifications, checks the chunks
     and calls the ``write`` callbacks."""
 
-    def __init__(self, *, max_arena_bytes: int = MAX_ARENA_BYTES) -> None:
+    def __init__(self, *, max_arena_bytes: int = MAX_ARENA_BYTES, peer_idle_s: float = PEER_IDLE_S) -> None:
+        """``peer_idle_s``: a sender silent this long (a prefill worker that died without saying bye) loses its
+        landing arena; a sender that comes back after it finds its writes failing and connects again."""
         name, self._agent = _new_agent("recv")
         super().__init__(name)
         self.max_arena_bytes = max_arena_bytes
+        self.peer_idle_s = peer_idle_s
         self._nixl_lock = threading.Lock()
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._peers: dict[str, _NixlPeer] = {}
+        # dropped senders' arenas, freed after ARENA_GRACE_S: a write still on its way lands in memory nobody uses
+        self._graveyard: list[tuple[float, _NixlPeer]] = []
         self._woken = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nixl-kv-receiver", daemon=True)
         self._thread.start()
@@ -282,6 +304,8 @@ class NixlKVReceiver(SlotReceiver):
                     self._on_note(peer, msg)
                 self._flush_outbox()
                 self._expire_all()
+                self._drop_idle_peers()
+                self._free_dropped()
                 with self._cond:
                     busy = bool(got) or any(not e.state.is_terminal and e.peer is not None
                                             for e in self._expected.values())  # fmt: skip
@@ -297,9 +321,28 @@ class NixlKVReceiver(SlotReceiver):
             self._flush_outbox()  # the senders hear of it
             for peer in list(self._peers.values()):
                 peer.close()
+                peer.free()
+            for _, peer in self._graveyard:
+                peer.free()
             self._fail_expected(why)
 
+    def _drop_idle_peers(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            busy = {id(e.peer) for e in self._expected.values() if not e.state.is_terminal and e.peer is not None}
+        for peer in [p for p in self._peers.values() if now - p.last_seen_s > self.peer_idle_s and id(p) not in busy]:
+            why = f"the KV receiver dropped a channel silent for {self.peer_idle_s:g}s"
+            peer.send(encode({"op": "dropped", "error": why}))  # a sender still there opens a new one
+            self._drop(peer, why)
+
+    def _free_dropped(self) -> None:
+        now = time.monotonic()
+        while self._graveyard and self._graveyard[0][0] <= now:
+            self._graveyard.pop(0)[1].free()
+
     def _on_note(self, name: str, msg: bytes) -> None:
+        if name in self._peers:
+            self._peers[name].last_seen_s = time.monotonic()
         head, _, extra = msg.partition(b"\n")
         try:
             note = json.loads(head)
@@ -345,6 +388,8 @@ class NixlKVReceiver(SlotReceiver):
         peer.send(encode({"op": "arena", "addr": peer.arena.data_ptr(), "size": size}) + b"\n" + metadata)
 
     def _drop(self, peer: _NixlPeer, why: str) -> None:
-        self._peers.pop(peer.name, None)
+        if self._peers.get(peer.name) is peer:
+            del self._peers[peer.name]
         self._fail_peer(peer, why)
         peer.close()
+        self._graveyard.append((time.monotonic() + ARENA_GRACE_S, peer))

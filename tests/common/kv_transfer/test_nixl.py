@@ -166,3 +166,25 @@ def test_a_closing_receiver_fails_its_senders_transfers(pair):
     receiver.close()
     result = sender.finish("req-X", timeout_s=5.0)
     assert (result.state, result.error) == (TransferState.FAILED, f"KV receiver {receiver.address} closed")
+
+
+def test_a_silent_sender_loses_its_arena_and_a_new_channel_works():
+    receiver = nixl.NixlKVReceiver(peer_idle_s=0.3)
+    try:
+        sender = nixl.NixlKVSender(receiver.metadata, arena_bytes=4 * CHUNK_BYTES, max_chunk_bytes=CHUNK_BYTES)
+        deadline = time.monotonic() + 5.0
+        while not sender.broken and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sender.broken == "the KV receiver dropped a channel silent for 0.3s"
+        sender.close()
+        receiver.peer_idle_s = 60.0  # the next channel is not dropped mid-test on a slow machine
+        again = nixl.NixlKVSender(receiver.metadata, arena_bytes=4 * CHUNK_BYTES, max_chunk_bytes=CHUNK_BYTES)
+        buffer = KVBuffer()
+        receiver.expect("req-N", NUM_LAYERS, NUM_BLOCKS, SPEC, buffer.write, deadline_s=20.0)
+        layers = make_layers(3)
+        send(again, "req-N", layers)
+        assert again.finish("req-N", timeout_s=20.0).ok and receiver.wait("req-N", timeout_s=5.0).ok
+        assert torch.equal(buffer.kv.view(torch.int16), layers.view(torch.int16))
+        again.close()
+    finally:
+        receiver.close()
