@@ -290,10 +290,14 @@ def kv_transfer(ck, s) -> None:
     finally:
         engine.release_kv(received)
     pinned, pageable = copy_bandwidth(ck, c.copy_bytes)
+    nixl_gb_s, nixl_note = nixl_bandwidth(ck, c.copy_bytes)
     vals = {"kv_bytes": nbytes, "extract_gb_s": nbytes / extract_s / GB, "stage_gb_s": nbytes / stage_s / GB,
             "stage_encode_gb_s": nbytes / encode_s / GB, "sender_gb_s": nbytes / (extract_s + encode_s) / GB,
             "receive_gb_s": nbytes / receive_s / GB, "round_trip_exact": int(exact), "copy_pinned_gb_s": pinned,
             "copy_pageable_gb_s": pageable}  # fmt: skip
+    if nixl_gb_s is not None:
+        vals["nixl_write_gb_s"] = nixl_gb_s
+    s.info["nixl"] = nixl_note
     s.values = vals
     g = {key: f"{value:.3g}" for key, value in vals.items()}  # GB/s to 3 significant digits
     host = f"to host {g['stage_gb_s']}" if ck.cuda else "to host: none (already there)"
@@ -301,7 +305,7 @@ def kv_transfer(ck, s) -> None:
               else f"host memcpy {g['copy_pinned_gb_s']} (no device)")  # fmt: skip
     s.text = (f"{n}-token KV ({nbytes / MiB:.1f} MiB), GB/s: extract {g['extract_gb_s']}, {host}, to host+encode "
               f"{g['stage_encode_gb_s']}, sender total {g['sender_gb_s']}, receive+write {g['receive_gb_s']} (round "
-              f"trip exact: {'yes' if exact else 'NO'}); plain {copies}")  # fmt: skip
+              f"trip exact: {'yes' if exact else 'NO'}); plain {copies}; NIXL write {nixl_note}")  # fmt: skip
     if not exact:
         raise SectionError(f"the KV the receiver wrote differs from what was sent: {s.text}")
 
@@ -324,6 +328,46 @@ def copy_bandwidth(ck, nbytes: int) -> tuple[float, float]:
         ck.sync()
         rates.append(3 * nbytes / (time.perf_counter() - t) / GB)
     return rates[0], rates[1]
+
+
+def nixl_bandwidth(ck, nbytes: int) -> tuple[float | None, str]:
+    """GB/s of one NIXL ``WRITE`` of ``nbytes`` between two agents of this process, memory on the check's device
+    (VRAM to VRAM on CUDA: what a KV transport from device memory would get), best of 3, checked bit for bit;
+    (None, why) where NIXL is not installed or the write fails."""
+    from common.kv_transfer import nixl
+
+    api = nixl.nixl_api()
+    if api is None:
+        return None, "n/a (NIXL not installed)"
+    mem = "VRAM" if ck.cuda else "DRAM"
+    try:
+        a, b = (api.nixl_agent(f"gpu-check-{x}", api.nixl_agent_config(backends=["UCX"])) for x in "ab")
+        src = torch.empty(nbytes, dtype=torch.uint8, device=ck.device).random_()
+        dst = torch.zeros_like(src)
+        a.register_memory(src)
+        b.register_memory(dst)
+        peer = a.add_remote_agent(b.get_agent_metadata())
+        peer = peer.decode() if isinstance(peer, bytes) else peer
+        local, remote = a.get_xfer_descs(src), b.get_xfer_descs(dst)
+        best = float("inf")
+        for _ in range(3):
+            ck.sync()
+            t = time.perf_counter()
+            handle = a.initialize_xfer("WRITE", local, remote, peer)
+            state = a.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                state = a.check_xfer_state(handle)
+            a.release_xfer_handle(handle)
+            if state == "ERR":
+                return None, f"failed ({mem} to {mem}: the write ended in error)"
+            best = min(best, time.perf_counter() - t)
+        ck.sync()
+        if not torch.equal(src, dst):
+            return None, f"failed ({mem} to {mem}: the bytes differ)"
+    except Exception as e:  # noqa: BLE001  (a NIXL build without this memory type, no UCX transport, ...)
+        return None, f"failed ({mem} to {mem}: {e!r:.200})"
+    rate = nbytes / best / GB
+    return rate, f"{mem} to {mem} {rate:.3g} ({nbytes / MiB:.0f} MiB, two agents in one process)"
 
 
 # -- serving targets ------------------------------------------------------------------------------------------

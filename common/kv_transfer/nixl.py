@@ -32,8 +32,10 @@ Notes are JSON objects (never pickle); a ``hello`` carries the sender's NIXL met
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
+import sys
 import threading
 import time
 
@@ -50,15 +52,49 @@ MAX_ARENA_BYTES = 256 << 20  # the most landing memory one sender may ask a rece
 PEER_IDLE_S = 900.0  # a sender silent this long loses its landing arena (see NixlKVReceiver)
 ARENA_GRACE_S = 60.0  # a dropped sender's landing arena is freed this long after its deregistration
 
+# Memory a NIXL write may still reach after its channel ended (a dropped or closed channel's landing arena, the
+# staging arena of a sender closed with writes unfinished): kept alive ARENA_GRACE_S, then let go. A write on its
+# way must never land in, or read from, memory the process has reused (UCX's shared-memory transports write to
+# the address itself).
+_graveyard: list[tuple[float, object]] = []
+_graveyard_lock = threading.Lock()
+
+
+def _bury(memory: object) -> None:
+    with _graveyard_lock:
+        _graveyard.append((time.monotonic() + ARENA_GRACE_S, memory))
+    _free_expired()
+
+
+def _free_expired() -> None:
+    now = time.monotonic()
+    with _graveyard_lock:
+        while _graveyard and _graveyard[0][0] <= now:
+            _graveyard.pop(0)
+
 
 def nixl_api():
     """NIXL's Python API module (``nixl_agent``, ``nixl_agent_config``), or None when it is not installed."""
     for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         try:
-            return __import__(name, fromlist=["nixl_agent"])
+            api = __import__(name, fromlist=["nixl_agent"])
         except Exception:  # noqa: BLE001  (not installed, or a backend built for another CUDA)
             continue
+        _nixl_logging_to_ours()
+        return api
     return None
+
+
+def _nixl_logging_to_ours() -> None:
+    """NIXL's Python logger prints INFO lines to stdout (where ``--json`` output and our JSON logs go): its records
+    go through this process's logging instead, from WARNING up unless ``NIXL_LOG_LEVEL`` says otherwise."""
+    logger = logging.getLogger("nixl")
+    for handler in list(logger.handlers):
+        if getattr(handler, "stream", None) is sys.stdout:
+            logger.removeHandler(handler)
+    logger.propagate = True
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logger.setLevel(logging.WARNING)
 
 
 def unavailable_reason() -> str:
@@ -169,6 +205,8 @@ class NixlKVSender(SlotSender):
         self._release()
 
     def _release(self) -> None:
+        if self._handles:  # writes that did not finish may still read the staging arena
+            _bury(self._staging)
         with self._lock:
             for handle in self._handles:
                 try:
@@ -251,7 +289,7 @@ class _NixlPeer:
             pass
 
     def close(self) -> None:
-        """Deregister its arena and forget its agent; the arena's memory itself is freed later (:meth:`free`)."""
+        """Deregister its arena and forget its agent; the caller buries the arena's memory (``_bury``)."""
         agent = self.receiver._agent
         with self.receiver._nixl_lock:
             if self.registered is not None:
@@ -262,11 +300,6 @@ class _NixlPeer:
             except Exception:  # noqa: BLE001, S110
                 pass
 
-    def free(self) -> None:
-        if self.view is not None:
-            self.view.release()
-            self.view = None
-        self.arena = None
 
 
 class NixlKVReceiver(SlotReceiver):
@@ -284,8 +317,6 @@ class NixlKVReceiver(SlotReceiver):
         self._nixl_lock = threading.Lock()
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._peers: dict[str, _NixlPeer] = {}
-        # dropped senders' arenas, freed after ARENA_GRACE_S: a write still on its way lands in memory nobody uses
-        self._graveyard: list[tuple[float, _NixlPeer]] = []
         self._woken = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nixl-kv-receiver", daemon=True)
         self._thread.start()
@@ -305,7 +336,7 @@ class NixlKVReceiver(SlotReceiver):
                 self._flush_outbox()
                 self._expire_all()
                 self._drop_idle_peers()
-                self._free_dropped()
+                _free_expired()
                 with self._cond:
                     busy = bool(got) or any(not e.state.is_terminal and e.peer is not None
                                             for e in self._expected.values())  # fmt: skip
@@ -321,9 +352,7 @@ class NixlKVReceiver(SlotReceiver):
             self._flush_outbox()  # the senders hear of it
             for peer in list(self._peers.values()):
                 peer.close()
-                peer.free()
-            for _, peer in self._graveyard:
-                peer.free()
+                _bury(peer.arena)
             self._fail_expected(why)
 
     def _drop_idle_peers(self) -> None:
@@ -335,10 +364,6 @@ class NixlKVReceiver(SlotReceiver):
             peer.send(encode({"op": "dropped", "error": why}))  # a sender still there opens a new one
             self._drop(peer, why)
 
-    def _free_dropped(self) -> None:
-        now = time.monotonic()
-        while self._graveyard and self._graveyard[0][0] <= now:
-            self._graveyard.pop(0)[1].free()
 
     def _on_note(self, name: str, msg: bytes) -> None:
         if name in self._peers:
@@ -392,4 +417,4 @@ class NixlKVReceiver(SlotReceiver):
             del self._peers[peer.name]
         self._fail_peer(peer, why)
         peer.close()
-        self._graveyard.append((time.monotonic() + ARENA_GRACE_S, peer))
+        _bury(peer.arena)

@@ -51,6 +51,8 @@ def test_quick_cpu_run_reports_every_section_with_numbers_and_an_exact_oracle():
     # 256 tokens x 4 layers x (K, V) x 2 KV heads x head_dim 32 x 4 bytes: the tiny Llama's KV, all of it
     assert kv["kv_bytes"] == 256 * 4 * 2 * 2 * 32 * 4 and kv["round_trip_exact"] == 1
     assert all(kv[k] > 0 for k in ("extract_gb_s", "stage_encode_gb_s", "receive_gb_s", "copy_pinned_gb_s"))
+    info = sections["kv_transfer"]["info"]["nixl"]  # NIXL is in the test extra: DRAM to DRAM here
+    assert kv["nixl_write_gb_s"] > 0 and info.startswith("DRAM to DRAM "), info
 
     decode = sections["decode"]["values"]
     assert set(decode) == {"batch_1_tok_s", "batch_4_tok_s", "batch_8_tok_s", "stock_batch_1_tok_s"}
