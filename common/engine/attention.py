@@ -190,8 +190,7 @@ def _fresh_attention_sdpa(group, query, key, value, out, scaling, sliding_window
         if sliding_window is None or b - a <= sliding_window:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:  # only when checking a varlen kernel: the window as a mask
-            i = torch.arange(b - a, device=q.device)
-            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
+            mask = _causal_mask(0, b - a, sliding_window, q.device)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[own] = o[0].transpose(0, 1)
 
@@ -277,6 +276,17 @@ def _drop_varlen(kernel: VarlenKernel, why: str) -> None:
         _VARLEN[k] = None
 
 
+def _causal_mask(start: int, n: int, sliding_window: int | None, device) -> torch.Tensor:
+    """[n, start + n] bool for queries at positions start..start+n-1 over keys 0..start+n-1: key j visible to the
+    query at position p iff j <= p (and p - j < window)."""
+    pos = torch.arange(start, start + n, device=device)[:, None]
+    j = torch.arange(start + n, device=device)[None, :]
+    mask = j <= pos
+    if sliding_window is not None:
+        mask &= j > pos - sliding_window
+    return mask
+
+
 def _per_sequence_attention(
     group: AttentionGroup,
     q_tok: torch.Tensor,  # [T, Hq, D]
@@ -293,11 +303,7 @@ def _per_sequence_attention(
     for b, (offset, start, n) in enumerate(group.seq_spans.tolist()):
         keys = start + n
         q = q_tok[offset : offset + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        pos = torch.arange(start, keys, device=q.device)[:, None]
-        j = torch.arange(keys, device=q.device)[None, :]
-        mask = j <= pos
-        if sliding_window is not None:
-            mask &= j > pos - sliding_window
+        mask = _causal_mask(start, n, sliding_window, q.device)
         o = F.scaled_dot_product_attention(q, k[b : b + 1, :, :keys].to(q.dtype), v[b : b + 1, :, :keys].to(q.dtype),
                                            attn_mask=mask, scale=scaling, enable_gqa=gqa)  # fmt: skip
         out[offset : offset + n] = o[0].transpose(0, 1)

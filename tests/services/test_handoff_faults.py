@@ -69,6 +69,16 @@ def test_workers_that_disagree_on_the_model_refuse_to_move_kv(model_dir, tiny_mo
         assert all(w.kv_blocks_used == 0 for w in wait_all_blocks_free(cluster.redis_url))
 
 
+def assert_three_prompts_as_stock(cluster, model_dir, hf_reference) -> None:
+    """Three prompts of 15-135 tokens through the cluster: stock generate's tokens, every KV block free after."""
+    with Client(cluster.router, timeout_s=60) as client:
+        prompts = [[7 + i, 8, 9] * (5 + 20 * i) for i in range(3)]
+        results = [client.generate(p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts]
+    for p, r in zip(prompts, results):
+        assert r.token_ids == hf_greedy(hf_reference(model_dir), p, 6)
+    assert all(w.kv_blocks_used == 0 for w in wait_all_blocks_free(cluster.redis_url))
+
+
 def test_shared_memory_transport_on_the_same_host(model_dir, hf_reference, monkeypatch):
     import services.prefill.servicer as prefill_servicer
 
@@ -78,12 +88,7 @@ def test_shared_memory_transport_on_the_same_host(model_dir, hf_reference, monke
     monkeypatch.setattr(prefill_servicer, "GrpcKVSender", no_grpc)
     prefill = [{"worker_id": "prefill-0", "kv_transport": "shm"}]
     with inprocess_cluster(model_dir, prefill=prefill, decode=[{"worker_id": "decode-0"}]) as cluster:
-        with Client(cluster.router, timeout_s=60) as client:
-            prompts = [[7 + i, 8, 9] * (5 + 20 * i) for i in range(3)]
-            results = [client.generate(p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts]
-        for p, r in zip(prompts, results):
-            assert r.token_ids == hf_greedy(hf_reference(model_dir), p, 6)
-        assert all(w.kv_blocks_used == 0 for w in wait_all_blocks_free(cluster.redis_url))
+        assert_three_prompts_as_stock(cluster, model_dir, hf_reference)
 
 
 def test_nixl_transport(model_dir, hf_reference, monkeypatch):
@@ -103,12 +108,7 @@ def test_nixl_transport(model_dir, hf_reference, monkeypatch):
     prefill = [{"worker_id": "prefill-0", "kv_transport": "nixl"}]
     decode = [{"worker_id": "decode-0", "kv_nixl": True, "kv_shm": False}]
     with inprocess_cluster(model_dir, prefill=prefill, decode=decode) as cluster:
-        with Client(cluster.router, timeout_s=60) as client:
-            prompts = [[7 + i, 8, 9] * (5 + 20 * i) for i in range(3)]
-            results = [client.generate(p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts]
-        for p, r in zip(prompts, results):
-            assert r.token_ids == hf_greedy(hf_reference(model_dir), p, 6)
-        assert all(w.kv_blocks_used == 0 for w in wait_all_blocks_free(cluster.redis_url))
+        assert_three_prompts_as_stock(cluster, model_dir, hf_reference)
         metrics = urllib.request.urlopen(f"http://{cluster.metrics['prefill-0']}/metrics", timeout=5).read().decode()
         assert 'pdserve:kv_transfer_seconds_count{transport="nixl"} 3.0' in metrics
 
