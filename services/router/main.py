@@ -130,6 +130,9 @@ def run(
     RouterHttpApi(servicer, served_model_name(config), server.loop).register(http)
     http.start()
     freeze_startup_objects()  # tokenizer, gRPC, Redis clients: out of the collector's way (common.heap)
+    if threading.current_thread() is threading.main_thread():  # before it serves: a SIGTERM once ready is a drain
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop_event.set())
     server.start()
     health.set_serving(True)
     address = f"{config.host}:{port}"
@@ -138,10 +141,10 @@ def run(
              "mutual TLS" if worker_tls else "plaintext")
     if on_ready is not None:
         on_ready(address, http.address)
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop_event.set())
-    stop_event.wait()
+    # A timed wait: a signal the kernel hands to another thread runs its Python handler only once the main thread
+    # runs bytecode again; an untimed wait could hold it off until something else woke the main thread.
+    while not stop_event.wait(0.2):
+        pass
     health.set_serving(False)
     server.stop(grace=config.drain_timeout_s).wait(config.drain_timeout_s + 5.0)
     http.stop()

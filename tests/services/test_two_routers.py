@@ -100,7 +100,7 @@ def test_sigterm_on_a_router_finishes_its_streams_and_exits_0(cluster, tiny_mode
                     assert time.monotonic() < deadline
                     time.sleep(0.2)
             router.send_signal(signal.SIGTERM)
-            ready, until = 200, time.monotonic() + 5
+            ready, until = 200, time.monotonic() + 10
             while ready == 200 and time.monotonic() < until:  # until it has taken the signal
                 try:
                     urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=2)
