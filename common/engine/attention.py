@@ -167,11 +167,12 @@ def _fresh_attention(
         mode = "window" if sliding_window is not None and group.num_keys > sliding_window else "causal"
         q, k, v = (t[0, :, own].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, H, D]
         bounds = group.fresh_bounds.to(query.device, non_blocking=True)
+        window = sliding_window if mode == "window" else None  # a window no prompt reaches is no window
         if mode in kernel.verified:
-            out[own] = kernel(q, k, v, bounds, group.num_keys, scaling, sliding_window)
+            out[own] = kernel(q, k, v, bounds, group.num_keys, scaling, window)
             return
         try:
-            o = kernel(q, k, v, bounds, group.num_keys, scaling, sliding_window)
+            o = kernel(q, k, v, bounds, group.num_keys, scaling, window)
         except Exception as exc:  # noqa: BLE001  (unsupported head size, GPU generation, ...: per-prompt SDPA)
             _drop_varlen(kernel, f"raised {exc!r}")
         else:
@@ -231,9 +232,8 @@ def _torch_varlen() -> VarlenKernel | None:
         return None
 
     def run(q, k, v, bounds, longest, scale, window):
-        if window is not None:
-            raise ValueError("torch's varlen_attn: no sliding window here")
-        return varlen_attn(q, k, v, bounds, bounds, longest, longest, scale=scale, window_size=(-1, 0),
+        return varlen_attn(q, k, v, bounds, bounds, longest, longest, scale=scale,
+                           window_size=(-1, 0) if window is None else (window - 1, 0),
                            enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
 
     return VarlenKernel("torch.nn.attention.varlen.varlen_attn", run)

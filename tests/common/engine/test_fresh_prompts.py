@@ -122,21 +122,27 @@ def use_kernel(monkeypatch, kernel: VarlenKernel) -> None:
     monkeypatch.setattr(attention, "varlen_kernel", lambda query: None if kernel.failed else kernel)
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("mistral", {"sliding_window": 24})],
-                         ids=["llama", "mistral-window"])  # fmt: skip
-def test_a_varlen_kernel_gets_the_packed_prompts(arch, overrides, tiny_model_dir, hf_reference, monkeypatch):
+@pytest.mark.parametrize("arch,overrides,lens,window", [
+    ("llama", {}, [17, 70, 3, 41], None),
+    ("mistral", {"sliding_window": 24}, [17, 70, 3, 41], 24),
+    ("mistral", {"sliding_window": 24}, [17, 24, 3, 11], None),  # no prompt reaches the window: the kernel gets none
+], ids=["llama", "mistral-window", "mistral-window-unreached"])  # fmt: skip
+def test_a_varlen_kernel_gets_the_packed_prompts(arch, overrides, lens, window, tiny_model_dir, hf_reference,
+                                                 monkeypatch):  # fmt: skip
     d = tiny_model_dir(arch, **overrides)
     engine = make_engine(d, prefix_caching=False, cpu_kernels=False)
     calls: list = []
     kernel = VarlenKernel("reference", reference_varlen(calls))
     use_kernel(monkeypatch, kernel)
-    prompts = make_prompts(engine.vocab_size, lens=[17, 70, 3, 41], seed=8)
+    prompts = make_prompts(engine.vocab_size, lens=lens, seed=8)
     got = generate_together(engine, prompts)
     assert got == [hf_greedy(hf_reference(d), p, 12) for p in prompts]
     cfg = engine.loaded.config
     heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, engine.kv_spec.head_dim
-    window = overrides.get("sliding_window")
-    assert calls == [((131, heads, dim), (131, kv_heads, dim), torch.int32, 70, window)] * engine.kv_spec.num_layers
+    total, longest = sum(lens), max(lens)
+    assert calls == [((total, heads, dim), (total, kv_heads, dim), torch.int32, longest, window)] * (
+        engine.kv_spec.num_layers
+    )
     assert kernel.verified == {"window" if window else "causal"} and not kernel.failed
 
 
