@@ -47,7 +47,14 @@ from common.kv_transfer.slots import SlotReceiver, SlotSender, encode
 from common.kv_transfer.wire import WIRE_VERSION
 
 _POLL_S = 0.0002  # notification polling while chunks are in flight
+_AWAIT_POLL_S = 0.001  # ... while a reservation waits for its first chunk (a poll costs ~25 us of a core)
 _IDLE_POLL_S = 0.005  # ... with nothing in flight
+# NIXL's UCX progress thread: off unless PDSERVE_NIXL_PROGRESS_THREAD=1. Both sides poll NIXL anyway (the calls
+# above progress the UCX worker); with the thread on, a write's completion waited for the thread's next wake-up
+# (it sleeps on UCX's event fd, which a shared-memory write's completion does not signal) and the thread took
+# cores from the engine: measured on 2 cores 1.33-1.41 GB/s with it vs 1.79-2.23 without (256 MiB between two
+# processes), and over TCP alone 0.67 vs 1.19 GB/s (docs/benchmarks.md).
+_PROGRESS_THREAD = os.environ.get("PDSERVE_NIXL_PROGRESS_THREAD", "0") == "1"
 MAX_ARENA_BYTES = 256 << 20  # the most landing memory one sender may ask a receiver for
 PEER_IDLE_S = 900.0  # a sender silent this long loses its landing arena (see NixlKVReceiver)
 ARENA_GRACE_S = 60.0  # a dropped sender's landing arena is freed this long after its deregistration
@@ -107,7 +114,7 @@ def _new_agent(role: str):
     if api is None:
         raise RuntimeError(unavailable_reason())
     name = f"pdserve-kv-{role}-{os.getpid()}-{secrets.token_hex(4)}"
-    return name, api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    return name, api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=_PROGRESS_THREAD, backends=["UCX"]))
 
 
 def _notifs(agent, lock: threading.Lock) -> list[tuple[str, bytes]]:
@@ -338,9 +345,12 @@ class NixlKVReceiver(SlotReceiver):
                 self._drop_idle_peers()
                 _free_expired()
                 with self._cond:
-                    busy = bool(got) or any(not e.state.is_terminal and e.peer is not None
-                                            for e in self._expected.values())  # fmt: skip
-                self._woken.wait(min(_POLL_S if busy else _IDLE_POLL_S, self._next_timeout_s()))
+                    open_ = [e for e in self._expected.values() if not e.state.is_terminal]
+                    busy = bool(got) or any(e.peer is not None for e in open_)
+                # NIXL has nothing to block on: a reservation's first chunk waits for the next poll (it waited up to
+                # the idle poll, 5 ms, and with the sender's slots taken meanwhile so did its later chunks)
+                poll_s = _POLL_S if busy else _AWAIT_POLL_S if open_ else _IDLE_POLL_S
+                self._woken.wait(min(poll_s, self._next_timeout_s()))
                 self._woken.clear()
         finally:
             why = f"KV receiver {self.address} closed"
