@@ -76,7 +76,7 @@ def test_abort_from_another_thread_ends_the_stream_and_frees_blocks(loop):
         if out.finished:
             break
     assert outs[-1].finish_reason.value == "abort"
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + 10.0
     while loop.stats.kv_blocks_used and time.monotonic() < deadline:
         time.sleep(0.01)
     assert loop.call(lambda e: e.block_pool.num_used_blocks) == 0
@@ -85,7 +85,7 @@ def test_abort_from_another_thread_ends_the_stream_and_frees_blocks(loop):
 def test_idle_loop_expires_reservation_leases(loop):
     loop.call(lambda e: e.reserve_kv("r", 50, lease_s=0.1))
     assert loop.stats.kv_blocks_reserved == 4
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 10.0
     while loop.stats.kv_blocks_reserved and time.monotonic() < deadline:
         time.sleep(0.02)
     assert loop.stats.kv_blocks_reserved == 0 and loop.stats.kv_blocks_used == 0
