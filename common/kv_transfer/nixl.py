@@ -308,7 +308,6 @@ class _NixlPeer:
                 pass
 
 
-
 class NixlKVReceiver(SlotReceiver):
     """Receives from any number of :class:`NixlKVSender`, on this host or others; ``metadata`` is what senders
     need to reach it, ``address`` its agent's name. One I/O thread polls NIXL's notifications, checks the chunks
@@ -373,7 +372,6 @@ class NixlKVReceiver(SlotReceiver):
             why = f"the KV receiver dropped a channel silent for {self.peer_idle_s:g}s"
             peer.send(encode({"op": "dropped", "error": why}))  # a sender still there opens a new one
             self._drop(peer, why)
-
 
     def _on_note(self, name: str, msg: bytes) -> None:
         if name in self._peers:

@@ -11,6 +11,7 @@ certificate signed by the CA when the files name one) and a channel dials with m
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -217,3 +218,13 @@ def channel(address: str, tls: TlsFiles | None = None, *, use_asyncio: bool = Fa
         ],
         use_asyncio=use_asyncio,
     )
+
+
+def stop_on_signals(stop_event: threading.Event) -> None:
+    """SIGTERM and SIGINT set ``stop_event`` (a drain) instead of killing the process; call it before the server
+    serves, and wait on the event with a timeout (a signal the kernel hands to another thread runs its handler
+    only once the main thread runs bytecode). Off the main thread (a service run inside tests) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_event.set())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 from collections.abc import Callable
 
@@ -12,7 +11,7 @@ from common.heap import freeze_startup_objects
 from common.http.server import HttpFront
 from common.metrics.router import RouterMetrics
 from common.obs import Tracing
-from common.rpc.server import build_server
+from common.rpc.server import build_server, stop_on_signals
 from common.rpc.tls import TlsFiles
 from common.rpc.unparsable import RejectUnparsable
 from common.security.auth import Authenticator
@@ -130,9 +129,7 @@ def run(
     RouterHttpApi(servicer, served_model_name(config), server.loop).register(http)
     http.start()
     freeze_startup_objects()  # tokenizer, gRPC, Redis clients: out of the collector's way (common.heap)
-    if threading.current_thread() is threading.main_thread():  # before it serves: a SIGTERM once ready is a drain
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop_event.set())
+    stop_on_signals(stop_event)  # before it serves: a SIGTERM once ready is a drain
     server.start()
     health.set_serving(True)
     address = f"{config.host}:{port}"
@@ -141,9 +138,7 @@ def run(
              "mutual TLS" if worker_tls else "plaintext")
     if on_ready is not None:
         on_ready(address, http.address)
-    # A timed wait: a signal the kernel hands to another thread runs its Python handler only once the main thread
-    # runs bytecode again; an untimed wait could hold it off until something else woke the main thread.
-    while not stop_event.wait(0.2):
+    while not stop_event.wait(0.2):  # timed: see stop_on_signals
         pass
     health.set_serving(False)
     server.stop(grace=config.drain_timeout_s).wait(config.drain_timeout_s + 5.0)

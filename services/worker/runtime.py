@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -40,7 +39,7 @@ from common.http.server import HttpFront
 from common.metrics.gpu import GpuMonitor
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing
-from common.rpc.server import AsyncioServer, build_server
+from common.rpc.server import AsyncioServer, build_server, stop_on_signals
 from common.rpc.tls import TlsFiles
 from common.security.auth import Authenticator
 from common.security.kv_crypto import KVCipher
@@ -230,6 +229,7 @@ def serve_worker(
         heartbeater = Heartbeater(registry, info, interval_s=min(1.0, config.heartbeat_ttl_s / 3))
         frozen = freeze_startup_objects()  # the model, torch, gRPC: never scanned again by the collector
         log.debug("%d startup objects frozen out of the garbage collector's scans", frozen)
+        stop_on_signals(stop_event)  # before it serves: a SIGTERM once ready is a drain
         server.start()
         try:
             registry.register(info())
@@ -242,7 +242,6 @@ def serve_worker(
         if on_ready is not None:
             on_ready(address, metrics_address)
 
-        _install_signal_handlers(stop_event)
         while not stop_event.wait(0.2):
             if parts.tick is not None:
                 parts.tick()
@@ -284,10 +283,3 @@ def serve_worker(
         raise
     finally:
         engine.close()  # with --tensor-parallel-size: stops and joins the follower processes (idempotent)
-
-
-def _install_signal_handlers(stop_event: threading.Event) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop_event.set())
