@@ -54,7 +54,7 @@ _IDLE_POLL_S = 0.005  # ... with nothing in flight
 # (it sleeps on UCX's event fd, which a shared-memory write's completion does not signal) and the thread took
 # cores from the engine: measured on 2 cores 1.33-1.41 GB/s with it vs 1.79-2.23 without (256 MiB between two
 # processes), and over TCP alone 0.67 vs 1.19 GB/s (docs/benchmarks.md).
-_PROGRESS_THREAD = os.environ.get("PDSERVE_NIXL_PROGRESS_THREAD", "0") == "1"
+PROGRESS_THREAD_ENV = "PDSERVE_NIXL_PROGRESS_THREAD"
 MAX_ARENA_BYTES = 256 << 20  # the most landing memory one sender may ask a receiver for
 PEER_IDLE_S = 900.0  # a sender silent this long loses its landing arena (see NixlKVReceiver)
 ARENA_GRACE_S = 60.0  # a dropped sender's landing arena is freed this long after its deregistration
@@ -109,12 +109,30 @@ def unavailable_reason() -> str:
     return "" if nixl_api() is not None else "NIXL is not installed (pip install 'pdserve[nixl]')"
 
 
+def progress_thread() -> bool:
+    """Whether NIXL agents run UCX's progress thread (``PDSERVE_NIXL_PROGRESS_THREAD``, 0 or 1; ValueError else)."""
+    value = os.environ.get(PROGRESS_THREAD_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PROGRESS_THREAD_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def setup_error() -> str:
+    """'' when NIXL agents can be made here, else why not: NIXL not installed, or a bad
+    ``PDSERVE_NIXL_PROGRESS_THREAD`` (what a worker checks before it starts)."""
+    try:
+        progress_thread()
+    except ValueError as exc:
+        return str(exc)
+    return unavailable_reason()
+
+
 def _new_agent(role: str):
     api = nixl_api()
     if api is None:
         raise RuntimeError(unavailable_reason())
     name = f"pdserve-kv-{role}-{os.getpid()}-{secrets.token_hex(4)}"
-    return name, api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=_PROGRESS_THREAD, backends=["UCX"]))
+    return name, api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread(), backends=["UCX"]))
 
 
 def _notifs(agent, lock: threading.Lock) -> list[tuple[str, bytes]]:

@@ -16,17 +16,16 @@ from services.worker.runtime import WorkerObs, WorkerParts, serve_worker
 
 
 def make_parts(config: WorkerConfig):
+    if config.kv_nixl and (why := nixl.setup_error()):
+        raise SystemExit(f"--kv-nixl: {why}")
+
     def make(loop: EngineLoop, identity: ModelIdentity, obs: WorkerObs) -> WorkerParts:
         own_dir = not config.kv_shm_dir
         shm_dir = tempfile.mkdtemp(prefix="pdserve-kv-") if own_dir else config.kv_shm_dir  # 0700 when made here
         if config.kv_shm:
             os.makedirs(shm_dir, mode=0o700, exist_ok=True)
         shm = ShmKVReceiver(os.path.join(shm_dir, f"kv-{os.getpid()}.sock")) if config.kv_shm else None
-        nixl_receiver = None
-        if config.kv_nixl:
-            if nixl.nixl_api() is None:
-                raise SystemExit(f"--kv-nixl: {nixl.unavailable_reason()}")
-            nixl_receiver = nixl.NixlKVReceiver()
+        nixl_receiver = nixl.NixlKVReceiver() if config.kv_nixl else None
 
         def stop() -> None:
             servicer.close()

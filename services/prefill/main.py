@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from common.engine.engine_loop import EngineLoop
 from common.engine.identity import ModelIdentity
+from common.kv_transfer import nixl
 from common.rpc.tls import TlsFiles
 from pdserve.v1 import worker_pb2_grpc
 from services.prefill.servicer import PrefillServicer
@@ -15,6 +16,11 @@ SERVICE_NAME = "pdserve.v1.PrefillService"
 
 def make_parts(config: WorkerConfig):
     kv_tls = TlsFiles.from_config(config)  # the KV channels to decode workers present this worker's certificate
+    if config.kv_transport == "nixl":  # a bad setting fails the start, not each channel (no NIXL: gRPC, logged)
+        try:
+            nixl.progress_thread()
+        except ValueError as exc:
+            raise SystemExit(f"--kv-transport nixl: {exc}") from None
 
     def make(loop: EngineLoop, identity: ModelIdentity, obs: WorkerObs) -> WorkerParts:
         servicer = PrefillServicer(

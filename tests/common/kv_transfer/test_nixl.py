@@ -29,7 +29,38 @@ def pair():
 
 
 def test_4_layers_of_10_blocks_bit_for_bit_and_two_requests_at_once(pair):
-    sender, receiver = pair
+    two_requests_bit_for_bit(*pair)
+
+
+def test_with_nixl_s_progress_thread_on_or_a_bad_setting(monkeypatch):
+    monkeypatch.setenv(nixl.PROGRESS_THREAD_ENV, "yes")
+    with pytest.raises(ValueError, match="PDSERVE_NIXL_PROGRESS_THREAD must be 0 or 1, got 'yes'"):
+        nixl.NixlKVReceiver()
+    monkeypatch.setenv(nixl.PROGRESS_THREAD_ENV, "1")
+    receiver = nixl.NixlKVReceiver()
+    sender = nixl.NixlKVSender(receiver.metadata, arena_bytes=4 * CHUNK_BYTES, max_chunk_bytes=CHUNK_BYTES)
+    try:
+        two_requests_bit_for_bit(sender, receiver)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_workers_refuse_to_start_with_a_bad_progress_thread_setting(monkeypatch):
+    from services.decode.main import make_parts as decode_parts
+    from services.prefill.main import make_parts as prefill_parts
+    from services.worker.config import WorkerConfig
+
+    monkeypatch.setenv(nixl.PROGRESS_THREAD_ENV, "2")
+    for make_parts, flags, flag in ((decode_parts, {"kv_nixl": True}, "--kv-nixl"),
+                                    (prefill_parts, {"kv_transport": "nixl"}, "--kv-transport nixl")):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            make_parts(WorkerConfig(model="unused", **flags))
+        assert str(exc.value) == f"{flag}: PDSERVE_NIXL_PROGRESS_THREAD must be 0 or 1, got '2'"
+    assert prefill_parts(WorkerConfig(model="unused")) is not None  # NIXL not asked for: the setting is not read
+
+
+def two_requests_bit_for_bit(sender, receiver) -> None:
     assert sender.receiver == receiver.address
     buffers = {rid: KVBuffer() for rid in ("req-A", "req-B")}
     layers = {rid: make_layers(seed) for seed, rid in enumerate(buffers)}
