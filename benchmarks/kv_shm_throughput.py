@@ -1,10 +1,14 @@
 """KV between two processes over shared memory (common.kv_transfer.shm, target >= 4 GB/s) or NIXL (``--transport
-nixl``: common.kv_transfer.nixl, UCX between the two processes' agents).
+nixl``: common.kv_transfer.nixl, UCX between the two processes' agents, through arenas; ``--transport nixl-blocks``:
+common.kv_transfer.nixl_blocks, from one KV cache's blocks straight into the other's).
 
-    python benchmarks/kv_shm_throughput.py [--transport shm|nixl] [--total-mib 256] [--max-chunk-mib 4] [--arena-mib 64]
+    python benchmarks/kv_shm_throughput.py [--transport shm|nixl|nixl-blocks] [--total-mib 256] [--max-chunk-mib 4]
+                                           [--arena-mib 64] [--fragmented]
 
 Moves bf16 KV (32 layers, random bits: the transfer must be bit-exact) to a spawned receiver process several
 times and prints each round's rate and the median of the warm rounds (the last line: ``median X GB/s``).
+``--fragmented``: the blocks on both sides are scattered (no two consecutive), as in a long-running worker's cache;
+only the block transport cares.
 """
 
 from __future__ import annotations
@@ -19,8 +23,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from common.engine.kv_cache import KVCacheSpec  # noqa: E402
+from common.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from common.kv_transfer.shm import ShmKVReceiver, ShmKVSender  # noqa: E402
+
+
+def _block_ids(num_blocks: int, fragmented: bool, seed: int) -> list[int]:
+    """Block ids of a request in a cache of ``2 * num_blocks + 1`` blocks: consecutive, or scattered."""
+    if not fragmented:
+        return list(range(1, num_blocks + 1))
+    ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)) * 2 + 1
+    return ids.tolist()
+
+
+def _bench_block_receiver(spec: KVCacheSpec, num_blocks: int, num_rounds: int, fragmented: bool, conn) -> None:
+    """Child process: ``num_rounds`` requests written by NIXL into reserved blocks of its KV cache; report each."""
+    from common.kv_transfer.nixl import NixlKVReceiver
+
+    torch.set_num_threads(1)
+    cache = PagedKVCache(spec, 2 * num_blocks + 1)
+    receiver = NixlKVReceiver(kv_cache=cache)
+    conn.send(receiver.metadata)
+    block_ids = _block_ids(num_blocks, fragmented, seed=1)
+    for i in range(num_rounds):
+        cache.data.zero_()
+        receiver.expect(f"bench-{i}", spec.num_layers, num_blocks, spec, lambda *a: None, deadline_s=120.0)
+        receiver.offer_blocks(f"bench-{i}", block_ids)
+        conn.send(("ready", block_ids))
+        result = receiver.wait(f"bench-{i}", timeout_s=120.0)
+        conn.send((result.ok, result.num_bytes, result.seconds, result.error, _crc(cache.data[:, :, :, block_ids])))
+    receiver.close()
 
 
 def _bench_receiver(transport: str, address: str, spec: KVCacheSpec, num_blocks: int, num_rounds: int,
@@ -52,6 +83,59 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
 
 
+def bench_blocks(total_mib: int = 256, num_rounds: int = 5, fragmented: bool = False) -> None:
+    """Move ``total_mib`` of bf16 KV from one process's cache blocks into another's by NIXL block writes."""
+    import multiprocessing
+
+    from common.kv_transfer.nixl_blocks import NixlBlockSender
+
+    torch.set_num_threads(1)  # see bench()
+    spec, num_blocks = _spec(total_mib)
+    cache = PagedKVCache(spec, 2 * num_blocks + 1)
+    cache.data.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, cache.data.shape, dtype=torch.int16))
+    src_ids = _block_ids(num_blocks, fragmented, seed=0)
+    expected_crc = _crc(cache.data[:, :, :, src_ids])
+    num_bytes = cache.data[:, :, :, src_ids].numel() * cache.data.element_size()
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_bench_block_receiver, args=(spec, num_blocks, num_rounds, fragmented, child))
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("benchmark receiver did not start")
+        sender = NixlBlockSender(parent.recv(), cache)
+        layout = "scattered" if fragmented else "consecutive"
+        print(f"nixl-blocks: moving {num_bytes / 2**20:.0f} MiB ({spec.num_layers} layers x {num_blocks} blocks, "
+              f"bf16, {layout} blocks) cache to cache, {num_rounds} rounds")  # fmt: skip
+        rates = []
+        for i in range(num_rounds):
+            if not parent.poll(60):
+                raise RuntimeError("benchmark receiver stopped")
+            _, dst_ids = parent.recv()
+            start = time.perf_counter()
+            sender.claim(f"bench-{i}", dst_ids, spec.num_layers)
+            for layer in range(spec.num_layers):
+                sender.send_blocks(f"bench-{i}", layer, src_ids)
+            result = sender.finish(f"bench-{i}", timeout_s=120.0)
+            seconds = time.perf_counter() - start
+            rates.append(num_bytes / seconds / 1e9)
+            ok, n, receiver_s, error, crc = parent.recv()
+            status = "ok" if result.ok and ok else result.error or error
+            print(f"  round {i}: {status}; sender {num_bytes / seconds / 1e9:.2f} GB/s (claim -> finish),"
+                  f" receiver {n / receiver_s / 1e9:.2f} GB/s (expect -> done), bit-exact {crc == expected_crc}")
+        sender.close()
+        print(f"median {sorted(rates[1:] or rates)[len(rates[1:] or rates) // 2]:.2f} GB/s (warm rounds)")
+    finally:
+        proc.join(10)
+
+
+def _spec(total_mib: int) -> tuple[KVCacheSpec, int]:
+    """The benchmark's cache layout (32 layers, block size 16, 8 KV heads, head_dim 128, bf16) and how many blocks
+    hold ``total_mib``."""
+    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    return spec, max(1, (total_mib << 20) // (2 * spec.num_layers * 16 * 8 * 128 * 2))
+
+
 def bench(total_mib: int = 256, max_chunk_mib: int = 4, arena_mib: int = 64, num_rounds: int = 5,
           transport: str = "shm") -> None:
     """Move ``total_mib`` of bf16 KV (32 layers, K and V) to another process ``num_rounds`` times; print GB/s."""
@@ -64,9 +148,8 @@ def bench(total_mib: int = 256, max_chunk_mib: int = 4, arena_mib: int = 64, num
     # OMP_WAIT_POLICY=PASSIVE helps as much).
     torch.set_num_threads(1)
 
-    num_layers, block_bytes = 32, 16 * 8 * 128 * 2  # block_size 16, 8 KV heads, head_dim 128, bf16
-    spec = KVCacheSpec(num_layers=num_layers, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
-    num_blocks = max(1, (total_mib << 20) // (2 * num_layers * block_bytes))
+    spec, num_blocks = _spec(total_mib)
+    num_layers = spec.num_layers
     layers = torch.randint(-(2**15), 2**15, (num_layers, 2, *spec.block_shape(num_blocks)), dtype=torch.int16)
     layers = layers.view(torch.bfloat16)  # random bits, NaNs included: the transfer must be bit-exact
     num_bytes = layers.numel() * layers.element_size()
@@ -116,6 +199,10 @@ if __name__ == "__main__":
     parser.add_argument("--total-mib", type=int, default=256)
     parser.add_argument("--max-chunk-mib", type=int, default=4)
     parser.add_argument("--arena-mib", type=int, default=64)
-    parser.add_argument("--transport", choices=("shm", "nixl"), default="shm")
+    parser.add_argument("--transport", choices=("shm", "nixl", "nixl-blocks"), default="shm")
+    parser.add_argument("--fragmented", action="store_true")
     args = parser.parse_args()
-    bench(args.total_mib, args.max_chunk_mib, args.arena_mib, transport=args.transport)
+    if args.transport == "nixl-blocks":
+        bench_blocks(args.total_mib, fragmented=args.fragmented)
+    else:
+        bench(args.total_mib, args.max_chunk_mib, args.arena_mib, transport=args.transport)

@@ -3,7 +3,8 @@
 Prefill side (sender):
 
 - ``add_request(..., prefill_only=True)`` runs a prompt to its first token; with a ``kv_layer_sink`` the
-  engine hands each layer's prompt KV to the sink during that forward pass (:meth:`_stream_layer`);
+  engine hands each layer's prompt KV to the sink during that forward pass (:meth:`_stream_layer`), or its block
+  ids to the ``kv_block_sink`` where that takes them;
 - :meth:`export_kv` ends the request here: its tokens, generator state and (optionally) its KV.
 
 Decode side (receiver):
@@ -47,7 +48,10 @@ class KVHandoffMixin:
         """Hand one layer's prompt KV of prefill-only requests to the sink (attention calls it per layer)."""
         for request in requests:
             num_blocks = -(-request.num_tokens // self.kv_spec.block_size)
-            k, v = self.kv_cache.read_blocks(layer, request.block_ids[:num_blocks])
+            blocks = request.block_ids[:num_blocks]
+            if self.kv_block_sink is not None and self.kv_block_sink(request.request_id, layer, blocks):
+                continue  # taken in place, by block id
+            k, v = self.kv_cache.read_blocks(layer, blocks)
             self.kv_layer_sink(request.request_id, layer, k, v)
 
     def export_kv(self: LLMEngine, request_id: str, *, with_kv: bool = True) -> KVHandoff:

@@ -60,6 +60,7 @@ MAX_UNDRAINED_TIMINGS = 65536
 
 Prompt = str | Sequence[int]
 KVLayerSink = Callable[[str, int, torch.Tensor, torch.Tensor], None]
+KVBlockSink = Callable[[str, int, list[int]], bool]
 
 
 class LLMEngine(KVHandoffMixin):
@@ -72,7 +73,13 @@ class LLMEngine(KVHandoffMixin):
     ) -> None:
         """``kv_layer_sink(request_id, layer, k, v)`` receives the prompt KV of ``prefill_only`` requests
         layer by layer, during the forward pass that completes their prompt, right after each layer is
-        computed (k/v: copies, [n, bs, H, D]). It runs on the engine's thread and must not block."""
+        computed (k/v: copies, [n, bs, H, D]). It runs on the engine's thread and must not block.
+
+        ``kv_block_sink(request_id, layer, block_ids)`` (an attribute, None by default), when set, is asked first
+        with the blocks of this engine's cache that hold the layer: True means it took them by block id (a
+        transport that reads the cache in place, :mod:`common.kv_transfer.nixl_blocks`), and no copy is made for
+        ``kv_layer_sink``. Such a reader relies on the blocks staying as they are until the request is exported
+        or aborted: a prefilled request's blocks are not written again."""
         self.config = config = config or EngineConfig()
         self.loaded = loaded
         self.tensor_parallel = tp = loaded.tensor_parallel  # None on one process (common/engine/tensor_parallel)
@@ -130,6 +137,7 @@ class LLMEngine(KVHandoffMixin):
         self.sampler = Sampler(seed=config.seed)
         self.reservations = ReservationTable(self.block_pool, config.block_size)
         self.kv_layer_sink = kv_layer_sink
+        self.kv_block_sink: KVBlockSink | None = None
         self._requests: dict[str, Request] = {}  # every request not yet finished and reported
         self.counters = EngineCounters()
         self.kv_tiers: KVTiers | None = None

@@ -38,9 +38,11 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
+from common.engine.kv_cache import PagedKVCache
 from common.engine.omp_teams import run_serially
 from common.kv_transfer.connector import TransferState
 from common.kv_transfer.slots import SlotReceiver, SlotSender, encode
@@ -119,9 +121,12 @@ def progress_thread() -> bool:
 
 def setup_error() -> str:
     """'' when NIXL agents can be made here, else why not: NIXL not installed, or a bad
-    ``PDSERVE_NIXL_PROGRESS_THREAD`` (what a worker checks before it starts)."""
+    ``PDSERVE_NIXL_PROGRESS_THREAD`` or ``PDSERVE_NIXL_BLOCKS`` (what a worker checks before it starts)."""
+    from common.kv_transfer.nixl_blocks import blocks_enabled  # (it builds on this module)
+
     try:
         progress_thread()
+        blocks_enabled()
     except ValueError as exc:
         return str(exc)
     return unavailable_reason()
@@ -304,6 +309,7 @@ class _NixlPeer:
         self.arena: torch.Tensor | None = None
         self.view: memoryview | None = None
         self.registered = None
+        self.blocks = False  # writes straight into the KV cache (nixl_blocks) instead of into an arena
         self.last_seen_s = time.monotonic()  # its last note
 
     def send(self, data: bytes) -> None:
@@ -329,16 +335,24 @@ class _NixlPeer:
 class NixlKVReceiver(SlotReceiver):
     """Receives from any number of :class:`NixlKVSender`, on this host or others; ``metadata`` is what senders
     need to reach it, ``address`` its agent's name. One I/O thread polls NIXL's notifications, checks the chunks
-    and calls the ``write`` callbacks."""
+    and calls the ``write`` callbacks. Given the decode engine's ``kv_cache``, it also takes direct block writes
+    from :class:`~common.kv_transfer.nixl_blocks.NixlBlockSender` into the blocks offered (:meth:`offer_blocks`)."""
 
-    def __init__(self, *, max_arena_bytes: int = MAX_ARENA_BYTES, peer_idle_s: float = PEER_IDLE_S) -> None:
+    def __init__(self, *, max_arena_bytes: int = MAX_ARENA_BYTES, peer_idle_s: float = PEER_IDLE_S,
+                 kv_cache: PagedKVCache | None = None, on_block_bytes: Callable[[int], None] | None = None,
+                 ) -> None:  # fmt: skip
         """``peer_idle_s``: a sender silent this long (a prefill worker that died without saying bye) loses its
-        landing arena; a sender that comes back after it finds its writes failing and connects again."""
+        landing arena; a sender that comes back after it finds its writes failing and connects again.
+        ``kv_cache``: registered with the agent for direct block writes (None: arenas only); ``on_block_bytes``
+        is told the bytes of each request that landed so (the metrics' received bytes)."""
+        from common.kv_transfer.nixl_blocks import BlockLanding  # (it builds on this module)
+
         name, self._agent = _new_agent("recv")
         super().__init__(name)
         self.max_arena_bytes = max_arena_bytes
         self.peer_idle_s = peer_idle_s
         self._nixl_lock = threading.Lock()
+        self.blocks = BlockLanding(self, kv_cache, on_block_bytes) if kv_cache is not None else None
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._peers: dict[str, _NixlPeer] = {}
         self._woken = threading.Event()
@@ -347,6 +361,22 @@ class NixlKVReceiver(SlotReceiver):
 
     def _wake(self) -> None:
         self._woken.set()
+
+    # -- direct block writes (for the decode servicer) -------------------------------------------------------------
+
+    def offer_blocks(self, request_id: str, block_ids: list[int]) -> bool:
+        """After :meth:`expect`: let a block sender claim the reservation's ``block_ids`` and write them directly.
+        False (nothing offered) when this receiver has no KV cache registered."""
+        if self.blocks is None:
+            return False
+        self.blocks.offer(request_id, block_ids)
+        return True
+
+    def writing(self, request_id: str) -> bool:
+        """Whether a block sender's writes may still land in the request's blocks. The decode worker frees a
+        reservation only once this is False, even after :meth:`abort` (a sender's writes need no help from this
+        side; it says quiet once they completed, or its grant runs out at the deadline + ``GRANT_GRACE_S``)."""
+        return self.blocks is not None and self.blocks.writing(request_id)
 
     # -- the I/O thread -----------------------------------------------------------------------------------------
 
@@ -360,6 +390,8 @@ class NixlKVReceiver(SlotReceiver):
                 self._flush_outbox()
                 self._expire_all()
                 self._drop_idle_peers()
+                if self.blocks is not None:
+                    self.blocks.expire()
                 _free_expired()
                 with self._cond:
                     open_ = [e for e in self._expected.values() if not e.state.is_terminal]
@@ -381,6 +413,8 @@ class NixlKVReceiver(SlotReceiver):
                 peer.close()
                 _bury(peer.arena)
             self._fail_expected(why)
+            if self.blocks is not None:
+                self.blocks.close()
 
     def _drop_idle_peers(self) -> None:
         now = time.monotonic()
@@ -401,20 +435,31 @@ class NixlKVReceiver(SlotReceiver):
             peer = self._peers.get(name)
             if op == "hello":
                 self._hello(name, note, extra)
-            elif peer is None or peer.view is None:
+            elif peer is None or (peer.view is None and not peer.blocks):
                 raise ValueError(f"{op!r} before hello")
-            elif op == "chunk":
+            elif peer.blocks and op in ("claim", "layer", "quiet"):
+                self._on_block_note(peer, op, note)
+            elif op == "chunk" and not peer.blocks:
                 self._on_chunk(peer, note["request_id"], note["offset"], note["length"])
             elif op == "abort":
                 self._sender_aborted(note["request_id"])
             elif op == "bye":
-                self._drop(peer, "the KV sender closed its channel")
+                self._drop(peer, "the KV sender closed its channel", said_bye=True)
             else:
                 raise ValueError(f"unexpected message {op!r}")
         except (KeyError, TypeError, ValueError) as e:
             peer = self._peers.get(name)
             if peer is not None:
                 self._drop(peer, f"protocol error: {e!r} in message {msg[:200]!r}")
+
+    def _on_block_note(self, peer: _NixlPeer, op: str, note: dict) -> None:
+        request_id = note["request_id"]
+        if op == "claim":
+            self.blocks.on_claim(peer, request_id, [int(b) for b in note["blocks"]])
+        elif op == "layer":
+            self.blocks.on_layer(peer, request_id, int(note["layer"]), int(note["sum"]))
+        else:
+            self.blocks.on_quiet(peer, request_id)
 
     def _hello(self, name: str, note: dict, metadata: bytes) -> None:
         if name in self._peers:
@@ -423,6 +468,9 @@ class NixlKVReceiver(SlotReceiver):
         with self._nixl_lock:
             self._agent.add_remote_agent(metadata)
         peer = self._peers[name] = _NixlPeer(self, name)
+        if note.get("mode") == "blocks":
+            self._hello_blocks(peer, note)
+            return
         if note.get("version") != WIRE_VERSION or not isinstance(size, int) or not 0 < size <= self.max_arena_bytes:
             error = (f"sender speaks wire version {note.get('version')}, this receiver {WIRE_VERSION}"
                      if note.get("version") != WIRE_VERSION else f"arena of {size} bytes refused (at most "
@@ -438,9 +486,28 @@ class NixlKVReceiver(SlotReceiver):
             metadata = self._agent.get_agent_metadata()
         peer.send(encode({"op": "arena", "addr": peer.arena.data_ptr(), "size": size}) + b"\n" + metadata)
 
-    def _drop(self, peer: _NixlPeer, why: str) -> None:
+    def _hello_blocks(self, peer: _NixlPeer, note: dict) -> None:
+        if note.get("version") != WIRE_VERSION:
+            reply = encode({"op": "error", "error": f"sender speaks wire version {note.get('version')}, this "
+                            f"receiver {WIRE_VERSION}"})  # fmt: skip
+        elif self.blocks is None:
+            reply = encode({"op": "error", "error": "this KV receiver takes no direct block writes"})
+        else:
+            reply = self.blocks.hello(note)
+        if json.loads(reply)["op"] == "error":
+            peer.send(reply)
+            self._drop(peer, json.loads(reply)["error"])
+            return
+        peer.blocks = True
+        with self._nixl_lock:  # with the cache's registration
+            metadata = self._agent.get_agent_metadata()
+        peer.send(reply + b"\n" + metadata)
+
+    def _drop(self, peer: _NixlPeer, why: str, *, said_bye: bool = False) -> None:
         if self._peers.get(peer.name) is peer:
             del self._peers[peer.name]
         self._fail_peer(peer, why)
+        if self.blocks is not None:
+            self.blocks.forget_peer(peer, said_bye=said_bye)
         peer.close()
         _bury(peer.arena)

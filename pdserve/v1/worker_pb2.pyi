@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_target_address", "decode_identity", "kv_shm_address", "kv_target_host", "kv_nixl_metadata")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_target_address", "decode_identity", "kv_shm_address", "kv_target_host", "kv_nixl_metadata", "kv_block_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class PrefillRequest(_message.Message):
     KV_SHM_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_HOST_FIELD_NUMBER: _ClassVar[int]
     KV_NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _types_pb2.SamplingParams
@@ -26,7 +27,8 @@ class PrefillRequest(_message.Message):
     kv_shm_address: str
     kv_target_host: str
     kv_nixl_metadata: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., kv_target_address: _Optional[str] = ..., decode_identity: _Optional[_Union[_types_pb2.ModelIdentity, _Mapping]] = ..., kv_shm_address: _Optional[str] = ..., kv_target_host: _Optional[str] = ..., kv_nixl_metadata: _Optional[bytes] = ...) -> None: ...
+    kv_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., kv_target_address: _Optional[str] = ..., decode_identity: _Optional[_Union[_types_pb2.ModelIdentity, _Mapping]] = ..., kv_shm_address: _Optional[str] = ..., kv_target_host: _Optional[str] = ..., kv_nixl_metadata: _Optional[bytes] = ..., kv_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "generator_state", "num_kv_tokens", "kv_bytes", "kv_transfer_seconds", "prefill_seconds", "queued_at", "prefill_started_at", "first_token_at", "kv_transfer_started_at", "kv_transfer_finished_at")
@@ -85,18 +87,20 @@ class ReserveKvRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., identity: _Optional[_Union[_types_pb2.ModelIdentity, _Mapping]] = ...) -> None: ...
 
 class ReserveKvResponse(_message.Message):
-    __slots__ = ("num_blocks", "identity", "kv_shm_address", "host", "kv_nixl_metadata")
+    __slots__ = ("num_blocks", "identity", "kv_shm_address", "host", "kv_nixl_metadata", "kv_block_ids")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     KV_SHM_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     KV_NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     identity: _types_pb2.ModelIdentity
     kv_shm_address: str
     host: str
     kv_nixl_metadata: bytes
-    def __init__(self, num_blocks: _Optional[int] = ..., identity: _Optional[_Union[_types_pb2.ModelIdentity, _Mapping]] = ..., kv_shm_address: _Optional[str] = ..., host: _Optional[str] = ..., kv_nixl_metadata: _Optional[bytes] = ...) -> None: ...
+    kv_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., identity: _Optional[_Union[_types_pb2.ModelIdentity, _Mapping]] = ..., kv_shm_address: _Optional[str] = ..., host: _Optional[str] = ..., kv_nixl_metadata: _Optional[bytes] = ..., kv_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushKvRequest(_message.Message):
     __slots__ = ("chunk",)

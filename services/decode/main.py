@@ -8,7 +8,7 @@ import tempfile
 
 from common.engine.engine_loop import EngineLoop
 from common.engine.identity import ModelIdentity
-from common.kv_transfer import nixl
+from common.kv_transfer import nixl, nixl_blocks
 from common.kv_transfer.shm import ShmKVReceiver
 from services.decode.servicer import SERVICE_NAME, DecodeServicer, add_to_server
 from services.worker.config import WorkerConfig
@@ -25,7 +25,12 @@ def make_parts(config: WorkerConfig):
         if config.kv_shm:
             os.makedirs(shm_dir, mode=0o700, exist_ok=True)
         shm = ShmKVReceiver(os.path.join(shm_dir, f"kv-{os.getpid()}.sock")) if config.kv_shm else None
-        nixl_receiver = nixl.NixlKVReceiver() if config.kv_nixl else None
+        nixl_receiver = None
+        if config.kv_nixl:  # direct block writes into the cache, unless it holds a share of the heads per rank
+            direct = loop.engine.tensor_parallel is None and nixl_blocks.blocks_enabled()
+            on_bytes = obs.metrics.count_kv_received if obs.metrics is not None else None
+            nixl_receiver = nixl.NixlKVReceiver(kv_cache=loop.engine.kv_cache if direct else None,
+                                                on_block_bytes=on_bytes)  # fmt: skip
 
         def stop() -> None:
             servicer.close()

@@ -156,6 +156,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.stream_timeout_s = stream_timeout_s
         self.stream_interval = stream_interval
         self._reservations: dict[str, _Reservation] = {}
+        self._held: dict[str, bool] = {}  # released reservations whose blocks a NIXL block sender may still write
         self._lock = threading.Lock()  # guards the dict, not the reservations
         self.shm_receiver = shm_receiver
         self.nixl_receiver = nixl_receiver
@@ -210,6 +211,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             response.kv_shm_address = self.shm_receiver.address
         if self.nixl_receiver is not None:
             response.kv_nixl_metadata = self.nixl_receiver.metadata
+            if self.nixl_receiver.offer_blocks(rid, blocks):  # a NIXL block sender may write them directly
+                response.kv_block_ids.extend(blocks)
         return response
 
     def _check_room(self, abort: Callable[[grpc.StatusCode, str], None]) -> None:
@@ -528,13 +531,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         if reservation is not None:
             with reservation.lock:  # waits for a chunk being written into these blocks
                 reservation.released = True
+        if self.nixl_receiver is not None and self.nixl_receiver.writing(request_id):
+            with self._lock:  # a NIXL block sender's writes may still land in the blocks: freed once it is quiet
+                self._held[request_id] = True
+            return True
         try:
             return self.loop.call(lambda e: e.abort(request_id), timeout_s=10.0) or reservation is not None
         except StreamClosed:
             return reservation is not None
 
     def expire_leases(self) -> list[str]:
-        """Release every reservation whose lease ended (a worker thread calls this periodically)."""
+        """Release every reservation whose lease ended, and free the blocks of released ones that a NIXL block
+        sender may no longer write (a worker thread calls this periodically)."""
+        self._free_held()
         now = time.monotonic()
         with self._lock:
             expired = [rid for rid, r in self._reservations.items() if r.expires_at_s <= now]
@@ -542,6 +551,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             log.warning("KV reservation of request %s expired before Decode; released", rid)
             self.release(rid)
         return expired
+
+    def _free_held(self) -> None:
+        with self._lock:
+            held = list(self._held)
+        for rid in held:
+            if self.nixl_receiver.writing(rid):
+                continue
+            with self._lock:
+                del self._held[rid]
+            try:
+                self.loop.call(lambda e, rid=rid: e.abort(rid), timeout_s=10.0)
+            except StreamClosed:
+                return
 
     @property
     def num_reservations(self) -> int:

@@ -33,6 +33,7 @@ from common.engine.identity import ModelIdentity
 from common.kv_transfer.connector import KVSender, SenderPool
 from common.kv_transfer.grpc_transport import GrpcKVSender, PushResult
 from common.kv_transfer.nixl import NixlKVSender
+from common.kv_transfer.nixl_blocks import BlocksRefused, NixlBlockSender, blocks_enabled
 from common.kv_transfer.shm import ShmKVSender
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing, call_scope
@@ -93,11 +94,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.stream_layers = loop.engine.tensor_parallel is None
         if self.stream_layers:
             loop.engine.kv_layer_sink = self._sink  # runs on the engine thread: must not block
+            loop.engine.kv_block_sink = self._block_sink  # ... asked first
 
     def _sink(self, request_id: str, layer: int, k, v) -> None:
         sender = self._senders.get(request_id)
         if sender is not None:
             sender.send_layer(layer, k, v)
+
+    def _block_sink(self, request_id: str, layer: int, block_ids: list[int]) -> bool:
+        sender = self._senders.get(request_id)
+        if isinstance(sender, _BlockRequest):
+            sender.send_blocks(layer, block_ids)
+            return True
+        return False
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -227,7 +236,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                 return _ConnectorRequest(shm, rid, "shm")
         if self.kv_transport == "nixl" and request.kv_nixl_metadata:
             channel = self._connector("nixl", request.kv_nixl_metadata)
-            if channel is not None:
+            if isinstance(channel, NixlBlockSender) and request.kv_block_ids:
+                try:
+                    return _BlockRequest(channel, rid, list(request.kv_block_ids), self.loop.engine.kv_spec.num_layers)
+                except (ValueError, RuntimeError) as exc:  # a claim the channel cannot make (closed meanwhile)
+                    log.warning("no NIXL block transfer for %s (%s); using gRPC", rid, exc)
+            elif channel is not None and not isinstance(channel, NixlBlockSender):
                 return _ConnectorRequest(channel, rid, "nixl")
         return GrpcKVSender(
             self._channel(request.kv_target_address),
@@ -240,14 +254,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             metadata=self.tracing.outgoing_metadata(),
         )
 
-    def _connector(self, transport: str, endpoint: str | bytes) -> KVSender | None:
+    def _connector(self, transport: str, endpoint: str | bytes) -> KVSender | NixlBlockSender | None:
         """The channel to a decode worker's shared-memory socket or NIXL agent (opened on first use, kept while in
         use: :class:`~common.kv_transfer.connector.SenderPool`), or None (logged) when it cannot be opened: the
         request then goes by gRPC."""
 
-        def open_sender() -> KVSender:
+        def open_sender() -> KVSender | NixlBlockSender:
             if transport == "shm":
                 return ShmKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
+            if self.stream_layers and blocks_enabled():  # straight from this cache into the reserved blocks
+                try:
+                    return NixlBlockSender(endpoint, self.loop.engine.kv_cache)
+                except BlocksRefused as exc:
+                    log.info("NIXL KV by arena, not by block: %s", exc)
             return NixlKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
 
         try:
@@ -292,3 +311,19 @@ class _ConnectorRequest:
 
     def abort(self) -> None:
         self.sender.abort(self.request_id)
+        self.sender.finish(self.request_id, 0.0)  # forgets it (ended: returns at once)
+
+
+class _BlockRequest(_ConnectorRequest):
+    """One request's transfer by direct NIXL block writes: claimed when made, its layers taken by block id from the
+    engine's cache (:meth:`PrefillServicer._block_sink`), never as tensors."""
+
+    def __init__(self, sender: NixlBlockSender, request_id: str, dst_block_ids: list[int], num_layers: int) -> None:
+        super().__init__(sender, request_id, "nixl")
+        sender.claim(request_id, dst_block_ids, num_layers)
+
+    def send_blocks(self, layer: int, block_ids: list[int]) -> None:
+        self.sender.send_blocks(self.request_id, layer, block_ids)
+
+    def send_layer(self, layer: int, k, v) -> None:
+        raise TypeError(f"the KV of request {self.request_id} goes by block id (kv_block_sink), not as tensors")

@@ -329,7 +329,8 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                     worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
                                               kv_target_address=d.address, decode_identity=reserved.identity,
                                               kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host,
-                                              kv_nixl_metadata=reserved.kv_nixl_metadata),
+                                              kv_nixl_metadata=reserved.kv_nixl_metadata,
+                                              kv_block_ids=reserved.kv_block_ids),
                     timeout=max(0.1, min(deadline_s - time.monotonic(), lease_ends_s - time.monotonic())),
                     metadata=metadata,
                 )  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
 
@@ -91,26 +92,41 @@ def test_shared_memory_transport_on_the_same_host(model_dir, hf_reference, monke
         assert_three_prompts_as_stock(cluster, model_dir, hf_reference)
 
 
-def test_nixl_transport(model_dir, hf_reference, monkeypatch):
-    """Prefill with --kv-transport nixl, decode with --kv-nixl: the KV goes by NIXL writes (never gRPC), the
-    tokens are stock generate's, and the transfers are counted under transport="nixl"."""
-    from common.kv_transfer import nixl
+@pytest.mark.parametrize("blocks", ["1", "0"], ids=["direct-blocks", "arenas"])
+def test_nixl_transport(model_dir, hf_reference, monkeypatch, blocks):
+    """Prefill with --kv-transport nixl, decode with --kv-nixl: the KV goes by NIXL writes (never gRPC), straight
+    into the reserved blocks (or through arenas with PDSERVE_NIXL_BLOCKS=0: never the other way), the tokens are
+    stock generate's, and the transfers are counted under transport="nixl"."""
+    from common.kv_transfer import nixl, nixl_blocks
 
     if nixl.nixl_api() is None:
         pytest.skip(nixl.unavailable_reason())
     import services.prefill.servicer as prefill_servicer
 
-    def no_grpc(*args, **kwargs):
-        raise AssertionError("the gRPC KV sender must not be used when the decode worker offers NIXL")
+    def refuse(what: str):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"the {what} must not be used here")
+
+        return fail
 
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    monkeypatch.setattr(prefill_servicer, "GrpcKVSender", no_grpc)
+    monkeypatch.setenv(nixl_blocks.BLOCKS_ENV, blocks)
+    monkeypatch.setattr(prefill_servicer, "GrpcKVSender", refuse("gRPC KV sender"))
+    if blocks == "1":
+        monkeypatch.setattr(prefill_servicer, "NixlKVSender", refuse("NIXL arena sender"))
+    else:
+        monkeypatch.setattr(nixl_blocks.NixlBlockSender, "__init__", refuse("NIXL block sender"))
     prefill = [{"worker_id": "prefill-0", "kv_transport": "nixl"}]
     decode = [{"worker_id": "decode-0", "kv_nixl": True, "kv_shm": False}]
     with inprocess_cluster(model_dir, prefill=prefill, decode=decode) as cluster:
         assert_three_prompts_as_stock(cluster, model_dir, hf_reference)
         metrics = urllib.request.urlopen(f"http://{cluster.metrics['prefill-0']}/metrics", timeout=5).read().decode()
         assert 'pdserve:kv_transfer_seconds_count{transport="nixl"} 3.0' in metrics
+        if blocks == "1":  # the decode worker counts what landed in its blocks: the payload, as prefill's sent
+            decode = urllib.request.urlopen(f"http://{cluster.metrics['decode-0']}/metrics", timeout=5).read().decode()
+            sent = re.search(r'pdserve:kv_transfer_bytes_total\{direction="sent"\} (\S+)', metrics).group(1)
+            received = re.search(r'pdserve:kv_transfer_bytes_total\{direction="received"\} (\S+)', decode).group(1)
+            assert float(sent) > 0 and sent == received
 
 
 def test_seeded_sampling_through_the_cluster_equals_one_engine(model_dir):

@@ -1,0 +1,563 @@
+"""Direct KV block writes over NIXL: the prefill worker's cache blocks go straight into the blocks the decode worker
+reserved, one NIXL ``WRITE`` per layer, with no arena on either side (as vLLM's NIXL connector moves KV). Each side
+registers its whole KV cache with its agent once; the one copy is the transport's. The arena transport of
+:mod:`~common.kv_transfer.nixl` copies three times (tensor → staging → landing arena → cache) and stays the
+fallback: for caches of different layouts (:class:`~common.kv_transfer.blocks.CacheLayout`) and for tensor
+parallel engines (a rank holds a share of the heads), or with ``PDSERVE_NIXL_BLOCKS=0``.
+
+The life cycle of a request:
+
+1. ReserveKv: the decode worker offers the reservation's blocks (:meth:`NixlKVReceiver.offer_blocks`); their ids
+   reach the prefill worker with the agent's metadata (``kv_block_ids`` of ReserveKvResponse and PrefillRequest).
+2. The prefill worker's :class:`NixlBlockSender` (one per decode worker; it said ``hello`` with ``mode: blocks`` and
+   its layout, the receiver answered ``blocks``: where its cache lies) sends ``claim`` (request id, block ids) as
+   the request arrives. The receiver checks them against the offer and answers ``grant`` (``window_s``: what is
+   left of the reservation's deadline) or ``failed``. From the grant on the blocks are the sender's to write: the
+   receiver does not let them be freed (:meth:`BlockLanding.writing`) until the sender says ``quiet``.
+3. Per layer, as the engine computes it (:meth:`NixlBlockSender.send_blocks`, with the prefill cache's block ids):
+   its checksum (:func:`~common.kv_transfer.blocks.layer_checksum`), then one WRITE of its (K|V, head, stretch of
+   blocks) runs, whose note ``layer`` (layer, checksum) NIXL delivers once the bytes are there. No write is posted
+   after the sender's window (claim sent + ``window_s``, which ends before the receiver's deadline whatever the
+   two clocks say).
+4. Per ``layer`` note the receiver sums its blocks the same way (while later layers are on their way): a mismatch
+   ends the request FAILED ("checksum mismatch"); the last layer ends it DONE. It answers ``done`` / ``failed``.
+5. A request that ends otherwise (deadline, abort on either side, a broken write): the sender posts nothing more
+   for it and, once its posted writes completed, says ``quiet``; only then, or ``GRANT_GRACE_S`` after the
+   reservation's deadline (a sender gone silent), may the decode worker free the blocks.
+
+The prefill side's blocks stay the request's until ``finish`` returns (the prefill worker frees them after it):
+the writes read them in place. Notes are JSON objects, like the arena protocol's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from common.engine.kv_cache import PagedKVCache
+from common.engine.omp_teams import run_serially
+from common.kv_transfer.blocks import CacheLayout, CacheRegion, layer_checksum, write_descs
+from common.kv_transfer.connector import TransferResult, TransferState
+from common.kv_transfer.nixl import _AWAIT_POLL_S, _IDLE_POLL_S, _POLL_S, _new_agent, _notifs
+from common.kv_transfer.slots import _Transfer, encode, failed_msg
+from common.kv_transfer.wire import WIRE_VERSION, encode_request_id
+
+log = logging.getLogger(__name__)
+
+BLOCKS_ENV = "PDSERVE_NIXL_BLOCKS"
+GRANT_GRACE_S = 10.0  # past a reservation's deadline, a granted sender that never said quiet no longer holds it
+CLOSE_WAIT_S = 1.0  # a closing sender waits this long for its posted writes
+
+
+def blocks_enabled() -> bool:
+    """Whether NIXL channels move blocks directly (``PDSERVE_NIXL_BLOCKS``, 0 or 1, default 1; ValueError else)."""
+    value = os.environ.get(BLOCKS_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{BLOCKS_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+class BlocksRefused(ConnectionError):
+    """The receiver takes no direct block writes from this sender (no cache offered, another layout): use the
+    arena transport."""
+
+
+# -- prefill side ----------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class _Outgoing(_Transfer):
+    dst_ids: np.ndarray
+    num_layers: int
+    claim_sent_s: float
+    write_until_s: float | None = None  # set by the grant (this process's clock)
+    waiting: list[tuple[int, np.ndarray]] = field(default_factory=list)  # layers computed before the grant
+    sums: dict[int, int] = field(default_factory=dict)  # layer -> checksum, of the layers posted
+    handles: list = field(default_factory=list)  # posted WRITEs not yet complete
+    told: bool = False  # quiet said (it failed, and nothing of it is in flight)
+    forgotten: bool = False  # finish() returned: the record goes once nothing of it is in flight
+
+
+class NixlBlockSender:
+    """Writes a prefill worker's KV blocks (``kv_cache``, registered with its own NIXL agent) straight into the
+    blocks a :class:`~common.kv_transfer.nixl.NixlKVReceiver` reserved, per request (see the module doc).
+
+    The constructor connects (at most ``connect_timeout_s``): raises :class:`BlocksRefused` when the receiver takes
+    no blocks from this cache, ConnectionError when it does not answer; either leaves nothing behind. Verbs as
+    :class:`~common.kv_transfer.connector.KVSender`'s, but a request starts with :meth:`claim` and sends its layers
+    by block id (:meth:`send_blocks`), not as tensors. ``corrupt_next_layer`` is a TEST-ONLY switch: the next layer
+    gets one byte of its first block flipped in the source cache after its checksum was taken.
+    """
+
+    def __init__(self, metadata: bytes, kv_cache: PagedKVCache, *, connect_timeout_s: float = 5.0) -> None:
+        self.layout = CacheLayout.of(kv_cache)
+        self.region = CacheRegion.of(kv_cache)
+        self.corrupt_next_layer = False  # TEST ONLY
+        self._cache = kv_cache
+        self.name, self._agent = _new_agent("send")
+        self._lock = threading.Lock()  # one NIXL call at a time
+        self._cond = threading.Condition()  # guards the records below
+        self._transfers: dict[str, _Outgoing] = {}
+        self._broken = ""
+        self._closed = False
+        self._layers: queue.SimpleQueue[tuple[str, int, np.ndarray]] = queue.SimpleQueue()  # from the engine
+        self._wake = threading.Event()
+        self._registered = None
+        self.receiver = None
+        try:
+            self._registered = self._agent.register_memory(kv_cache.data)
+            receiver = self._agent.add_remote_agent(metadata)
+            self.receiver = receiver.decode() if isinstance(receiver, bytes) else receiver
+            self.remote = self._connect(connect_timeout_s)
+        except Exception as e:
+            self._release()
+            if isinstance(e, BlocksRefused):
+                raise
+            raise ConnectionError(f"cannot open a NIXL KV block channel: {e}") from e
+        self.address = self.receiver
+        self._thread = threading.Thread(target=self._loop, name="nixl-kv-blocks", daemon=True)
+        self._thread.start()
+
+    def _connect(self, timeout_s: float) -> CacheRegion:
+        hello = encode({"op": "hello", "version": WIRE_VERSION, "mode": "blocks", "layout": self.layout.to_json()})
+        with self._lock:
+            self._agent.send_notif(self.receiver, hello + b"\n" + self._agent.get_agent_metadata())
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            for peer, msg in _notifs(self._agent, self._lock):
+                head, _, metadata = msg.partition(b"\n")
+                reply = json.loads(head) if peer == self.receiver else {}
+                if reply.get("op") == "blocks":
+                    with self._lock:
+                        self._agent.add_remote_agent(metadata)  # with the cache's registration
+                    return CacheRegion.from_json(reply["region"])
+                if reply.get("op") == "error":
+                    raise BlocksRefused(f"the KV receiver takes no blocks from this sender: {reply.get('error')}")
+            time.sleep(_POLL_S * 5)
+        raise ConnectionError(f"no answer from NIXL KV receiver {self.receiver} within {timeout_s}s")
+
+    @property
+    def broken(self) -> str:
+        """Why the channel is unusable ('' while it works)."""
+        with self._cond:
+            return self._broken
+
+    # -- the verbs ----------------------------------------------------------------------------------------------
+
+    def claim(self, request_id: str, dst_block_ids: list[int], num_layers: int) -> None:
+        """Start ``request_id``: ask for the receiver's blocks ``dst_block_ids`` (as offered at ReserveKv). Never
+        blocks; the answer comes later. ValueError for bad arguments, RuntimeError once closed."""
+        encode_request_id(request_id)
+        if not dst_block_ids or num_layers != self.layout.num_layers:
+            raise ValueError(f"a claim needs block ids and {self.layout.num_layers} layers, got "
+                             f"{len(dst_block_ids)} blocks, {num_layers} layers")  # fmt: skip
+        dst = np.asarray(dst_block_ids, np.int64)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"KV sender to {self.receiver!r} is closed")
+            if request_id in self._transfers:
+                raise ValueError(f"request {request_id!r} is already claimed")
+            now = time.monotonic()
+            self._transfers[request_id] = _Outgoing(now, dst_ids=dst, num_layers=num_layers, claim_sent_s=now)
+            broken = self._broken
+        if broken:
+            self._fail(request_id, broken)
+            return
+        self._send({"op": "claim", "request_id": request_id, "blocks": dst.tolist()})
+
+    def send_blocks(self, request_id: str, layer: int, src_block_ids: list[int]) -> None:
+        """Queue layer ``layer`` of ``request_id``, held in blocks ``src_block_ids`` of this side's cache (which must
+        not change until :meth:`finish` returns). Called by the engine thread as the layer is computed; never
+        blocks; dropped for a request not claimed or already ended."""
+        self._layers.put((request_id, layer, np.asarray(src_block_ids, np.int64)))
+        self._wake.set()
+
+    def finish(self, request_id: str, timeout_s: float) -> TransferResult:
+        """As :meth:`KVSender.finish`: DONE once the receiver checked every layer, else FAILED naming why (after a
+        timeout the request is aborted on both sides first)."""
+        until = time.monotonic() + timeout_s
+        with self._cond:
+            transfer = self._transfers.get(request_id)
+            if transfer is None or transfer.forgotten:
+                return TransferResult(TransferState.FAILED, 0, 0.0, f"unknown request {request_id!r}")
+            while not transfer.state.is_terminal and (left_s := until - time.monotonic()) > 0:
+                self._cond.wait(left_s)
+            timed_out = transfer.end(TransferState.FAILED, f"KV of request {request_id!r} not confirmed within "
+                                     f"{timeout_s}s ({len(transfer.sums)} of {transfer.num_layers} layers written)")
+            transfer.forgotten = True
+        if timed_out:
+            self._send({"op": "abort", "request_id": request_id})
+        self._wake.set()
+        return transfer.result()
+
+    def poll(self, request_id: str) -> TransferState:
+        with self._cond:
+            transfer = self._transfers.get(request_id)
+            return TransferState.FAILED if transfer is None or transfer.forgotten else transfer.state
+
+    def abort(self, request_id: str) -> None:
+        """End ``request_id`` FAILED and tell the receiver; idempotent; never blocks."""
+        if self._fail(request_id, f"request {request_id!r} aborted by sender"):
+            self._send({"op": "abort", "request_id": request_id})
+
+    def close(self) -> None:
+        """Fail what is unfinished, wait up to CLOSE_WAIT_S for posted writes, say bye (if none is left) and go."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._fail_all(f"KV sender to {self.receiver!r} closed")
+        self._wake.set()
+        self._thread.join()
+        with self._cond:
+            in_flight = any(t.handles for t in self._transfers.values())
+        if not in_flight:  # a bye tells the receiver that nothing of ours is on its way any more
+            self._send({"op": "bye"})
+        self._release()
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    def _send(self, msg: dict) -> None:
+        try:
+            with self._lock:
+                self._agent.send_notif(self.receiver, encode(msg))
+        except Exception as e:  # noqa: BLE001  (NIXL raises its own types)
+            self._on_broken(f"lost the NIXL channel to KV receiver {self.receiver}: {e!r}")
+
+    def _fail(self, request_id: str, error: str) -> bool:
+        with self._cond:
+            transfer = self._transfers.get(request_id)
+            if transfer is None or not transfer.end(TransferState.FAILED, error):
+                return False
+            self._cond.notify_all()
+        self._wake.set()
+        return True
+
+    def _fail_all(self, error: str) -> None:
+        for transfer in self._transfers.values():
+            transfer.end(TransferState.FAILED, error)
+        self._cond.notify_all()
+
+    def _on_broken(self, error: str) -> None:
+        with self._cond:
+            self._broken = self._broken or error
+            self._fail_all(self._broken)
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._registered is not None:
+                self._agent.deregister_memory(self._registered)  # the cache itself is the engine's
+                self._registered = None
+            if isinstance(self.receiver, str):
+                try:
+                    self._agent.remove_remote_agent(self.receiver)
+                except Exception:  # noqa: BLE001, S110
+                    pass
+
+    # -- the I/O thread -----------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        run_serially()  # checksums beside the engine's step: no OpenMP team of its own
+        closing_until = None
+        while True:
+            while True:
+                try:
+                    request_id, layer, src = self._layers.get_nowait()
+                except queue.Empty:
+                    break
+                self._take_layer(request_id, layer, src)
+            for peer, msg in _notifs(self._agent, self._lock):
+                if peer == self.receiver:
+                    self._on_note(msg)
+            self._check_writes()
+            poll_s = self._tell()
+            with self._cond:
+                closed, writing = self._closed, any(t.handles for t in self._transfers.values())
+            if closed:
+                closing_until = closing_until or time.monotonic() + CLOSE_WAIT_S
+                if not writing or time.monotonic() > closing_until:
+                    return
+            self._wake.wait(poll_s)
+            self._wake.clear()
+
+    def _take_layer(self, request_id: str, layer: int, src: np.ndarray) -> None:
+        with self._cond:
+            transfer = self._transfers.get(request_id)
+            if transfer is None or transfer.state.is_terminal:
+                return
+            if len(src) != len(transfer.dst_ids) or not 0 <= layer < transfer.num_layers or layer in transfer.sums:
+                error = (f"layer {layer} of {len(src)} blocks does not fit the claim ({transfer.num_layers} layers of "
+                         f"{len(transfer.dst_ids)} blocks, each once)")  # fmt: skip
+                transfer.end(TransferState.FAILED, error)
+                self._cond.notify_all()
+                return
+            if transfer.write_until_s is None:
+                transfer.waiting.append((layer, src))
+                return
+        self._post(request_id, transfer, layer, src)
+
+    def _post(self, request_id: str, transfer: _Outgoing, layer: int, src: np.ndarray) -> None:
+        """Checksum, then one WRITE of the layer's runs (this thread only)."""
+        if time.monotonic() >= transfer.write_until_s:
+            self._fail(request_id, f"the decode worker's KV deadline for request {request_id!r} passed before layer "
+                                   f"{layer} was computed")  # fmt: skip
+            return
+        checksum = layer_checksum(self._cache, layer, src)
+        if self.corrupt_next_layer:  # TEST ONLY fault injection
+            self.corrupt_next_layer = False
+            first = self._cache.data[layer, 0, 0, int(src[0])].reshape(-1)[:1].view(torch.uint8)  # [elem bytes]
+            first[0] = first[0] ^ 0xFF
+        local, remote = write_descs(self.layout, layer, self.region, src, self.remote, transfer.dst_ids)
+        note = encode({"op": "layer", "request_id": request_id, "layer": layer, "sum": checksum})
+        try:
+            with self._lock:
+                handle = self._agent.initialize_xfer(
+                    "WRITE",
+                    self._agent.get_xfer_descs(local, self.region.mem_type),
+                    self._agent.get_xfer_descs(remote, self.remote.mem_type),
+                    self.receiver,
+                    note,  # delivered once the layer's bytes are there
+                )
+                state = self._agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001
+            self._on_broken(f"NIXL write to KV receiver {self.receiver} failed: {e!r}")
+            return
+        with self._cond:
+            transfer.sums[layer] = checksum
+            transfer.handles.append(handle)
+            if transfer.state is TransferState.PENDING:
+                transfer.state = TransferState.TRANSFERRING
+        if state == "ERR":
+            self._on_broken(f"NIXL write to KV receiver {self.receiver} failed")
+
+    def _on_note(self, msg: bytes) -> None:
+        try:
+            note = json.loads(msg)
+            op = note["op"]
+            if op == "dropped":
+                self._on_broken(note.get("error") or f"KV receiver {self.receiver} dropped the channel")
+                return
+            with self._cond:
+                transfer = self._transfers.get(note["request_id"])
+            if transfer is None:
+                return
+            if op == "grant":
+                self._granted(note["request_id"], transfer, float(note["window_s"]))
+            elif op == "done":
+                with self._cond:
+                    if transfer.end(TransferState.DONE):
+                        transfer.num_bytes = transfer.num_layers * self.layout.layer_bytes(len(transfer.dst_ids))
+                    self._cond.notify_all()
+            elif op == "failed":
+                self._fail(note["request_id"], note.get("error") or "the KV receiver failed the request")
+            else:
+                raise ValueError(f"unexpected message {op!r}")
+        except (ValueError, KeyError, TypeError) as e:
+            self._on_broken(f"protocol error from KV receiver {self.receiver}: {e!r} in {msg[:200]!r}")
+
+    def _granted(self, request_id: str, transfer: _Outgoing, window_s: float) -> None:
+        with self._cond:
+            transfer.write_until_s = transfer.claim_sent_s + window_s
+            waiting, transfer.waiting = transfer.waiting, []
+        for layer, src in waiting:
+            self._post(request_id, transfer, layer, src)
+
+    def _check_writes(self) -> None:
+        with self._cond:
+            pending = [(t, h) for t in self._transfers.values() for h in t.handles]
+        failed = False
+        for transfer, handle in pending:
+            with self._lock:
+                state = self._agent.check_xfer_state(handle)
+                if state in ("DONE", "ERR"):
+                    self._agent.release_xfer_handle(handle)
+            if state in ("DONE", "ERR"):
+                failed |= state == "ERR"
+                with self._cond:
+                    transfer.handles.remove(handle)
+        if failed:
+            self._on_broken(f"a NIXL write to KV receiver {self.receiver} failed")
+
+    def _tell(self) -> float:
+        """Say ``quiet`` for requests that failed once their writes completed; forget what finish() returned and
+        nothing is left of. Returns how soon to look again: soon while writes or grants are awaited, less soon
+        while granted requests wait for their layers."""
+        notes, poll_s = [], _IDLE_POLL_S
+        with self._cond:
+            for request_id, t in list(self._transfers.items()):
+                if t.handles or (t.write_until_s is None and not t.state.is_terminal):
+                    poll_s = _POLL_S
+                    continue
+                if not t.told and t.state is TransferState.FAILED:
+                    t.told = True
+                    notes.append({"op": "quiet", "request_id": request_id})
+                if t.forgotten and t.state.is_terminal and (t.told or t.state is TransferState.DONE):
+                    del self._transfers[request_id]
+                elif not t.state.is_terminal:
+                    poll_s = min(poll_s, _AWAIT_POLL_S)
+        for note in notes:
+            self._send(note)
+        return poll_s
+
+
+# -- decode side (inside a NixlKVReceiver) ---------------------------------------------------------------------
+
+
+@dataclass
+class _Grant:
+    peer: object  # the _NixlPeer whose writes may land in the blocks
+    until_s: float  # time.monotonic(): the blocks are free to go after this, quiet or not
+    layers: set[int] = field(default_factory=set)  # layers landed and checked
+
+
+class BlockLanding:
+    """The decode side of direct block writes, owned by a :class:`~common.kv_transfer.nixl.NixlKVReceiver`: its KV
+    cache registered with the receiver's agent, the reservations offered (:meth:`offer`) and the grants made.
+
+    The receiver's I/O thread calls :meth:`hello`, :meth:`on_claim`, :meth:`on_layer`, :meth:`on_quiet`,
+    :meth:`forget_peer` and :meth:`expire`; the decode servicer :meth:`offer` and :meth:`writing`."""
+
+    def __init__(self, receiver, kv_cache: PagedKVCache, on_bytes: Callable[[int], None] | None = None) -> None:
+        self.receiver = receiver
+        self.on_bytes = on_bytes
+        self.cache = kv_cache
+        self.layout = CacheLayout.of(kv_cache)
+        self.region = CacheRegion.of(kv_cache)
+        with receiver._nixl_lock:
+            self.registered = receiver._agent.register_memory(kv_cache.data)
+        self._lock = threading.Lock()
+        self._offers: dict[str, np.ndarray] = {}  # request id -> the reservation's block ids
+        self._grants: dict[str, _Grant] = {}
+
+    def offer(self, request_id: str, block_ids: list[int]) -> None:
+        """Let a sender claim the reservation of ``request_id`` (already expected by the receiver), whose blocks
+        are ``block_ids``."""
+        with self._lock:
+            self._offers[request_id] = np.asarray(block_ids, np.int64)
+
+    def writing(self, request_id: str) -> bool:
+        """Whether a sender's writes may still land in the request's blocks: they must not be freed yet."""
+        with self._lock:
+            grant = self._grants.get(request_id)
+            return grant is not None and time.monotonic() < grant.until_s
+
+    # -- for the receiver's I/O thread ----------------------------------------------------------------------------
+
+    def hello(self, note: dict) -> bytes:
+        """The answer to a sender's ``hello`` in mode blocks: where the cache lies, or why not."""
+        try:
+            theirs = CacheLayout.from_json(note["layout"])
+        except (KeyError, TypeError, ValueError) as e:
+            return encode({"op": "error", "error": f"bad layout in hello: {e!r}"})
+        if theirs != self.layout:
+            return encode({"op": "error", "error": f"sender's cache layout {theirs} differs from {self.layout}"})
+        return encode({"op": "blocks", "region": self.region.to_json()})
+
+    def on_claim(self, peer, request_id: str, block_ids: list[int]) -> None:
+        receiver = self.receiver
+        with receiver._cond:
+            entry = receiver._expected.get(request_id)
+        with self._lock:
+            offered = self._offers.get(request_id)
+        error = ""
+        if entry is None or offered is None:
+            error = f"no KV reservation for request {request_id!r} (never made, aborted, or already received)"
+        elif not np.array_equal(np.asarray(block_ids, np.int64), offered):
+            error = f"blocks claimed for request {request_id!r} are not the ones reserved"
+        if error:
+            peer.send(failed_msg(request_id, error))
+            return
+        with entry.feed_lock:
+            now = time.monotonic()
+            if entry.state.is_terminal or now >= entry.deadline_at_s or entry.peer is not None:
+                error = entry.error or (f"KV of request {request_id!r} was already claimed" if entry.peer is not None
+                                        else f"the KV deadline of request {request_id!r} passed")  # fmt: skip
+            else:
+                entry.peer = peer
+                with receiver._cond:
+                    entry.state = TransferState.TRANSFERRING
+                with self._lock:
+                    self._grants[request_id] = _Grant(peer, entry.deadline_at_s + GRANT_GRACE_S)
+        if error:
+            peer.send(failed_msg(request_id, error))
+        else:
+            peer.send(encode({"op": "grant", "request_id": request_id, "window_s": entry.deadline_at_s - now}))
+
+    def on_layer(self, peer, request_id: str, layer: int, checksum: int) -> None:
+        """A layer's bytes landed (NIXL delivers a write's note after its data): check them against the sender's
+        checksum; the last layer ends the request DONE, and the sender's writes with it."""
+        receiver = self.receiver
+        with self._lock:
+            grant = self._grants.get(request_id)
+            if grant is None or grant.peer is not peer:
+                return  # not this sender's (it was told when its claim failed)
+            offered = self._offers.get(request_id)
+        with receiver._cond:
+            entry = receiver._expected.get(request_id)
+        if entry is None or offered is None:
+            return  # aborted here: the grant stays until the sender's quiet
+        with entry.feed_lock:
+            if entry.state.is_terminal:
+                return
+            if not 0 <= layer < self.layout.num_layers or layer in grant.layers:
+                error = f"KV of request {request_id!r}: layer {layer} written twice or out of range"
+                receiver._end(request_id, entry, TransferState.FAILED, error)
+                return
+            if layer_checksum(self.cache, layer, offered) != checksum:
+                error = f"KV of request {request_id!r}: checksum mismatch in layer {layer} after its NIXL write"
+                receiver._end(request_id, entry, TransferState.FAILED, error)
+                return
+            grant.layers.add(layer)
+            layer_bytes = self.layout.layer_bytes(len(offered))
+            with receiver._cond:
+                entry.num_bytes += layer_bytes
+            if len(grant.layers) < self.layout.num_layers:
+                return
+            with self._lock:  # every write of the request landed: nothing of the sender's is on its way any more
+                self._grants.pop(request_id, None)
+                self._offers.pop(request_id, None)
+            receiver._end(request_id, entry, TransferState.DONE)
+        if self.on_bytes is not None:
+            self.on_bytes(self.layout.num_layers * layer_bytes)
+
+    def on_quiet(self, peer, request_id: str) -> None:
+        with self._lock:
+            grant = self._grants.get(request_id)
+            if grant is not None and grant.peer is peer:
+                del self._grants[request_id]
+
+    def forget_peer(self, peer, *, said_bye: bool) -> None:
+        """A sender went: after its bye (its writes completed) its grants end; a sender dropped otherwise may
+        still have writes on their way, so its grants run until their time."""
+        if said_bye:
+            with self._lock:
+                for request_id in [r for r, g in self._grants.items() if g.peer is peer]:
+                    del self._grants[request_id]
+
+    def expire(self) -> None:
+        """Forget offers of requests the receiver no longer expects and grants past their time."""
+        receiver = self.receiver
+        with receiver._cond:
+            expected = set(receiver._expected)
+        now = time.monotonic()
+        with self._lock:
+            for request_id in [r for r in self._offers if r not in expected]:
+                del self._offers[request_id]
+            for request_id in [r for r, g in self._grants.items() if now >= g.until_s]:
+                del self._grants[request_id]
+
+    def close(self) -> None:
+        receiver = self.receiver
+        with receiver._nixl_lock:
+            if self.registered is not None:
+                receiver._agent.deregister_memory(self.registered)
+                self.registered = None
