@@ -51,6 +51,10 @@ class CacheLayout:
         """Bytes of one head's K (or V) in one block of one layer."""
         return self.block_size * self.head_dim * self.elem_bytes
 
+    def layer_stride_bytes(self, num_blocks: int) -> int:
+        """Bytes from one layer to the next in a cache of ``num_blocks`` blocks."""
+        return 2 * self.num_kv_heads * num_blocks * self.run_bytes
+
     def layer_bytes(self, num_blocks: int) -> int:
         """Bytes of one layer's K and V in ``num_blocks`` blocks."""
         return 2 * self.num_kv_heads * num_blocks * self.run_bytes
@@ -118,19 +122,39 @@ def write_descs(layout: CacheLayout, layer: int, src: CacheRegion, src_ids: np.n
 
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_MAX_RUNS = 8  # past this many stretches of consecutive blocks, one gather beats a sum per stretch
 
 
 def layer_checksum(cache: PagedKVCache, layer: int, block_ids: Sequence[int] | np.ndarray) -> int:
     """The checksum of layer ``layer``'s K and V in blocks ``block_ids`` of ``cache`` (see the module doc)."""
     ids = np.asarray(block_ids, np.int64)
-    data = cache.data[layer]  # [2, H, NB, bs, D]
+    data = cache.data
     run_bytes = data.shape[-2] * data.shape[-1] * data.element_size()
     word = next(dtype for size, dtype in _WORDS.items() if run_bytes % size == 0)
-    sums = []
-    for pos, n in zip(*runs(ids), strict=True):
-        first = int(ids[pos])
-        stretch = data[:, :, first : first + n].flatten(-2)  # [2, H, n, bs*D], each row one run
-        sums.append(stretch.view(torch.uint8).view(word).sum(-1, dtype=torch.int64))  # [2, H, n]
-    per_run = torch.cat(sums, dim=2).reshape(-1)  # (K|V, head, block) in request order
+    words = data.view(*data.shape[:4], -1).view(torch.uint8).view(word)[layer]  # [2, H, NB, run words]
+    if data.device.type == "cpu":  # numpy: a third of torch's overhead per call (small prompts: 25 vs 64 us)
+        return _numpy_checksum(words.numpy(), ids)
+    return _torch_checksum(words, ids)
+
+
+def _numpy_checksum(words: np.ndarray, ids: np.ndarray) -> int:
+    starts, lengths = runs(ids)
+    if len(starts) <= _MAX_RUNS:
+        stretches = [words[:, :, ids[p] : ids[p] + n] for p, n in zip(starts, lengths, strict=True)]
+        sums = np.concatenate([s.sum(-1, dtype=np.int64) for s in stretches], axis=2)  # [2, H, n]
+    else:
+        sums = words[:, :, ids].sum(-1, dtype=np.int64)
+    per_run = sums.reshape(-1)  # (K|V, head, block) in request order
+    return int((per_run * np.arange(1, 2 * per_run.size, 2, dtype=np.int64)).sum())
+
+
+def _torch_checksum(words: torch.Tensor, ids: np.ndarray) -> int:
+    starts, lengths = runs(ids)
+    if len(starts) <= _MAX_RUNS:
+        stretches = [words[:, :, int(ids[p]) : int(ids[p] + n)] for p, n in zip(starts, lengths, strict=True)]
+        sums = torch.cat([s.sum(-1, dtype=torch.int64) for s in stretches], dim=2)  # [2, H, n]
+    else:
+        sums = words.index_select(2, torch.as_tensor(ids, device=words.device)).sum(-1, dtype=torch.int64)
+    per_run = sums.reshape(-1)
     odd = torch.arange(1, 2 * per_run.numel(), 2, dtype=torch.int64, device=per_run.device)
     return int((per_run * odd).sum())

@@ -437,7 +437,7 @@ class NixlKVReceiver(SlotReceiver):
                 self._hello(name, note, extra)
             elif peer is None or (peer.view is None and not peer.blocks):
                 raise ValueError(f"{op!r} before hello")
-            elif peer.blocks and op in ("claim", "layer", "quiet"):
+            elif peer.blocks and op in ("claim", "layers", "quiet"):
                 self._on_block_note(peer, op, note)
             elif op == "chunk" and not peer.blocks:
                 self._on_chunk(peer, note["request_id"], note["offset"], note["length"])
@@ -456,8 +456,9 @@ class NixlKVReceiver(SlotReceiver):
         request_id = note["request_id"]
         if op == "claim":
             self.blocks.on_claim(peer, request_id, [int(b) for b in note["blocks"]])
-        elif op == "layer":
-            self.blocks.on_layer(peer, request_id, int(note["layer"]), int(note["sum"]))
+        elif op == "layers":
+            for layer, checksum in zip(note["layers"], note["sums"], strict=True):
+                self.blocks.on_layer(peer, request_id, int(layer), int(checksum))
         else:
             self.blocks.on_quiet(peer, request_id)
 

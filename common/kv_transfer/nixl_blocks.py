@@ -1,6 +1,6 @@
 """Direct KV block writes over NIXL: the prefill worker's cache blocks go straight into the blocks the decode worker
-reserved, one NIXL ``WRITE`` per layer, with no arena on either side (as vLLM's NIXL connector moves KV). Each side
-registers its whole KV cache with its agent once; the one copy is the transport's. The arena transport of
+reserved, by NIXL writes layer by layer, with no arena on either side (as vLLM's NIXL connector moves KV). Each
+side registers its whole KV cache with its agent once; the one copy is the transport's. The arena transport of
 :mod:`~common.kv_transfer.nixl` copies three times (tensor → staging → landing arena → cache) and stays the
 fallback: for caches of different layouts (:class:`~common.kv_transfer.blocks.CacheLayout`) and for tensor
 parallel engines (a rank holds a share of the heads), or with ``PDSERVE_NIXL_BLOCKS=0``.
@@ -15,11 +15,11 @@ The life cycle of a request:
    left of the reservation's deadline) or ``failed``. From the grant on the blocks are the sender's to write: the
    receiver does not let them be freed (:meth:`BlockLanding.writing`) until the sender says ``quiet``.
 3. Per layer, as the engine computes it (:meth:`NixlBlockSender.send_blocks`, with the prefill cache's block ids):
-   its checksum (:func:`~common.kv_transfer.blocks.layer_checksum`), then one WRITE of its (K|V, head, stretch of
-   blocks) runs, whose note ``layer`` (layer, checksum) NIXL delivers once the bytes are there. No write is posted
-   after the sender's window (claim sent + ``window_s``, which ends before the receiver's deadline whatever the
-   two clocks say).
-4. Per ``layer`` note the receiver sums its blocks the same way (while later layers are on their way): a mismatch
+   its checksum (:func:`~common.kv_transfer.blocks.layer_checksum`), then a WRITE of its (K|V, head, stretch of
+   blocks) runs, whose note ``layers`` (layers, checksums) NIXL delivers once the bytes are there; the layers
+   computed while the sender's thread was busy go in one WRITE. No write is posted after the sender's window
+   (claim sent + ``window_s``, which ends before the receiver's deadline whatever the two clocks say).
+4. Per layer noted the receiver sums its blocks the same way (while later layers are on their way): a mismatch
    ends the request FAILED ("checksum mismatch"); the last layer ends it DONE. It answers ``done`` / ``failed``.
 5. A request that ends otherwise (deadline, abort on either side, a broken write): the sender posts nothing more
    for it and, once its posted writes completed, says ``quiet``; only then, or ``GRANT_GRACE_S`` after the
@@ -80,9 +80,10 @@ class _Outgoing(_Transfer):
     num_layers: int
     claim_sent_s: float
     write_until_s: float | None = None  # set by the grant (this process's clock)
-    waiting: list[tuple[int, np.ndarray]] = field(default_factory=list)  # layers computed before the grant
+    waiting: list[tuple[int, np.ndarray]] = field(default_factory=list)  # layers computed, not yet posted
     sums: dict[int, int] = field(default_factory=dict)  # layer -> checksum, of the layers posted
     handles: list = field(default_factory=list)  # posted WRITEs not yet complete
+    descs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # source ids, layer 0's local and remote descs
     told: bool = False  # quiet said (it failed, and nothing of it is in flight)
     forgotten: bool = False  # finish() returned: the record goes once nothing of it is in flight
 
@@ -173,6 +174,7 @@ class NixlBlockSender:
             self._fail(request_id, broken)
             return
         self._send({"op": "claim", "request_id": request_id, "blocks": dst.tolist()})
+        self._wake.set()  # polls soon for the grant
 
     def send_blocks(self, request_id: str, layer: int, src_block_ids: list[int]) -> None:
         """Queue layer ``layer`` of ``request_id``, held in blocks ``src_block_ids`` of this side's cache (which must
@@ -278,6 +280,7 @@ class NixlBlockSender:
             for peer, msg in _notifs(self._agent, self._lock):
                 if peer == self.receiver:
                     self._on_note(msg)
+            self._post_waiting()
             self._check_writes()
             poll_s = self._tell()
             with self._cond:
@@ -294,45 +297,62 @@ class NixlBlockSender:
             transfer = self._transfers.get(request_id)
             if transfer is None or transfer.state.is_terminal:
                 return
-            if len(src) != len(transfer.dst_ids) or not 0 <= layer < transfer.num_layers or layer in transfer.sums:
+            taken = layer in transfer.sums or any(layer == w for w, _ in transfer.waiting)
+            if len(src) != len(transfer.dst_ids) or not 0 <= layer < transfer.num_layers or taken:
                 error = (f"layer {layer} of {len(src)} blocks does not fit the claim ({transfer.num_layers} layers of "
                          f"{len(transfer.dst_ids)} blocks, each once)")  # fmt: skip
                 transfer.end(TransferState.FAILED, error)
                 self._cond.notify_all()
                 return
-            if transfer.write_until_s is None:
-                transfer.waiting.append((layer, src))
-                return
-        self._post(request_id, transfer, layer, src)
+            transfer.waiting.append((layer, src))
 
-    def _post(self, request_id: str, transfer: _Outgoing, layer: int, src: np.ndarray) -> None:
-        """Checksum, then one WRITE of the layer's runs (this thread only)."""
+    def _post_waiting(self) -> None:
+        """Post the layers waiting in granted requests: one WRITE per request for all of its layers computed since
+        the last one (this thread only)."""
+        with self._cond:
+            ready = [(rid, t) for rid, t in self._transfers.items()
+                     if t.waiting and t.write_until_s is not None and not t.state.is_terminal]  # fmt: skip
+        for request_id, transfer in ready:
+            with self._cond:
+                layers, transfer.waiting = transfer.waiting, []
+            self._post(request_id, transfer, layers)
+
+    def _post(self, request_id: str, transfer: _Outgoing, layers: list[tuple[int, np.ndarray]]) -> None:
+        """Checksums, then one WRITE of the layers' runs, whose note NIXL delivers after the bytes."""
         if time.monotonic() >= transfer.write_until_s:
             self._fail(request_id, f"the decode worker's KV deadline for request {request_id!r} passed before layer "
-                                   f"{layer} was computed")  # fmt: skip
+                                   f"{layers[0][0]} was sent")  # fmt: skip
             return
-        checksum = layer_checksum(self._cache, layer, src)
-        if self.corrupt_next_layer:  # TEST ONLY fault injection
-            self.corrupt_next_layer = False
-            first = self._cache.data[layer, 0, 0, int(src[0])].reshape(-1)[:1].view(torch.uint8)  # [elem bytes]
-            first[0] = first[0] ^ 0xFF
-        local, remote = write_descs(self.layout, layer, self.region, src, self.remote, transfer.dst_ids)
-        note = encode({"op": "layer", "request_id": request_id, "layer": layer, "sum": checksum})
+        sums, local, remote = [], [], []
+        for layer, src in layers:
+            sums.append(layer_checksum(self._cache, layer, src))
+            if self.corrupt_next_layer:  # TEST ONLY fault injection
+                self.corrupt_next_layer = False
+                first = self._cache.data[layer, 0, 0, int(src[0])].reshape(-1)[:1].view(torch.uint8)  # [elem bytes]
+                first[0] = first[0] ^ 0xFF
+            if transfer.descs is None or not np.array_equal(transfer.descs[0], src):  # the same for every layer
+                transfer.descs = (src, *write_descs(self.layout, 0, self.region, src, self.remote, transfer.dst_ids))
+            local.append(transfer.descs[1].copy())
+            local[-1][:, 0] += np.uint64(layer * self.layout.layer_stride_bytes(self.region.num_blocks))
+            remote.append(transfer.descs[2].copy())
+            remote[-1][:, 0] += np.uint64(layer * self.layout.layer_stride_bytes(self.remote.num_blocks))
+        numbers = [layer for layer, _ in layers]
+        note = encode({"op": "layers", "request_id": request_id, "layers": numbers, "sums": sums})
         try:
             with self._lock:
                 handle = self._agent.initialize_xfer(
                     "WRITE",
-                    self._agent.get_xfer_descs(local, self.region.mem_type),
-                    self._agent.get_xfer_descs(remote, self.remote.mem_type),
+                    self._agent.get_xfer_descs(np.concatenate(local), self.region.mem_type),
+                    self._agent.get_xfer_descs(np.concatenate(remote), self.remote.mem_type),
                     self.receiver,
-                    note,  # delivered once the layer's bytes are there
+                    note,  # delivered once the layers' bytes are there
                 )
                 state = self._agent.transfer(handle)
         except Exception as e:  # noqa: BLE001
             self._on_broken(f"NIXL write to KV receiver {self.receiver} failed: {e!r}")
             return
         with self._cond:
-            transfer.sums[layer] = checksum
+            transfer.sums.update(zip(numbers, sums, strict=True))
             transfer.handles.append(handle)
             if transfer.state is TransferState.PENDING:
                 transfer.state = TransferState.TRANSFERRING
@@ -351,7 +371,7 @@ class NixlBlockSender:
             if transfer is None:
                 return
             if op == "grant":
-                self._granted(note["request_id"], transfer, float(note["window_s"]))
+                self._granted(transfer, float(note["window_s"]))
             elif op == "done":
                 with self._cond:
                     if transfer.end(TransferState.DONE):
@@ -364,12 +384,9 @@ class NixlBlockSender:
         except (ValueError, KeyError, TypeError) as e:
             self._on_broken(f"protocol error from KV receiver {self.receiver}: {e!r} in {msg[:200]!r}")
 
-    def _granted(self, request_id: str, transfer: _Outgoing, window_s: float) -> None:
+    def _granted(self, transfer: _Outgoing, window_s: float) -> None:
         with self._cond:
             transfer.write_until_s = transfer.claim_sent_s + window_s
-            waiting, transfer.waiting = transfer.waiting, []
-        for layer, src in waiting:
-            self._post(request_id, transfer, layer, src)
 
     def _check_writes(self) -> None:
         with self._cond:

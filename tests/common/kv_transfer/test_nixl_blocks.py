@@ -85,6 +85,15 @@ def test_checksums_agree_on_equal_blocks_and_catch_a_flip_a_stale_block_and_a_sw
     assert runs(np.array(SRC_BLOCKS))[1].tolist() == [3, 2, 1]
 
 
+@pytest.mark.parametrize("ids", [[5], list(range(1, 30)), list(range(1, 32, 2)), SRC_BLOCKS], ids=str)
+def test_the_torch_checksum_of_gpu_caches_equals_the_numpy_one(ids):
+    from common.kv_transfer.blocks import _numpy_checksum, _torch_checksum
+
+    cache = random_cache(32, 2)
+    words = cache.data.view(*cache.data.shape[:4], -1).view(torch.uint8).view(torch.int64)[1]
+    assert _torch_checksum(words, np.array(ids)) == _numpy_checksum(words.numpy(), np.array(ids))
+
+
 # -- over NIXL ---------------------------------------------------------------------------------------------------
 
 
