@@ -1,7 +1,8 @@
 """What disaggregation costs: the cluster (1 prefill + 1 decode process) against one process running the
 engine alone, measured side by side in one run, and the KV transports against a bare gRPC byte stream.
 
-    python benchmarks/disagg_overhead.py [--model DIR] [--json] [--tls]
+    python benchmarks/disagg_overhead.py [--model DIR] [--json] [--tls] [--kv-transport grpc|shm|nixl]
+                                         [--handoff-only]
 
 Model: the ~60M Llama (built with --size 60m if missing; context 4096), fp32. For prompts of 128, 512 and
 2048 tokens (greedy, 32 new tokens, EOS ignored, each measured 3 times, median):
@@ -14,6 +15,8 @@ bare gRPC byte stream of 4 MiB messages (DecodeService.ProbeLink) between the sa
 sending as a prefill worker would, and the decode worker), medians of interleaved rounds; KV over shared
 memory (common.kv_transfer.shm). ``--tls``: the cluster runs with mutual TLS between services (``pdserve up
 --tls-dir``), and this process dials the workers with the cluster's client certificate: the cost of mTLS.
+``--kv-transport``: how the prefill worker sends KV (``nixl``: decode workers with ``--kv-nixl``; NIXL block writes
+unless PDSERVE_NIXL_BLOCKS=0 is set for the cluster). ``--handoff-only``: the hand-off breakdown alone.
 """
 
 from __future__ import annotations
@@ -89,10 +92,14 @@ def single_process(model: str, threads: int) -> dict[int, dict]:
 # -- the cluster -----------------------------------------------------------------------------------------------
 
 
-def start_cluster(model: str, threads: int, tls: bool = False) -> tuple[subprocess.Popen, dict]:
+def start_cluster(model: str, threads: int, tls: bool = False,
+                  kv_transport: str = "grpc") -> tuple[subprocess.Popen, dict]:  # fmt: skip
     """``pdserve up`` with 1 prefill and 1 decode worker; ``info``: the ready line's fields, each role's worker
     address, and ``worker_tls`` (the files to dial the workers with; None: plaintext)."""
     tls_args = ["--tls-dir", tempfile.mkdtemp(prefix="pdserve-bench-tls-")] if tls else []
+    tls_args.append(f"--prefill-arg=--kv-transport={kv_transport}")
+    if kv_transport == "nixl":
+        tls_args.append("--decode-arg=--kv-nixl")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "up", "--model", model, "--prefill", "1", "--decode", "1",
          f"--worker-arg=--threads={threads}", "--worker-arg=--max-model-len=4096",
@@ -152,7 +159,9 @@ def handoff_breakdown(info: dict) -> dict[int, dict]:
             t0 = time.perf_counter()
             resp = prefill.Prefill(worker_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompts_of(n, 10 + r), sampling=sampling,
-                kv_target_address=info["decode"], decode_identity=reserved.identity))  # fmt: skip
+                kv_target_address=info["decode"], decode_identity=reserved.identity,
+                kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host,
+                kv_nixl_metadata=reserved.kv_nixl_metadata, kv_block_ids=reserved.kv_block_ids))  # fmt: skip
             rpc_s = time.perf_counter() - t0
             decode.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid))
             rows.append({"kv_bytes": resp.kv_bytes, "kv_transfer_s": resp.kv_transfer_seconds,
@@ -221,6 +230,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (2 cores: 1 each)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--tls", action="store_true", help="mutual TLS between the services (pdserve up --tls-dir)")
+    ap.add_argument("--kv-transport", choices=("grpc", "shm", "nixl"), default="grpc")
+    ap.add_argument("--handoff-only", action="store_true", help="only the hand-off breakdown (no single process, "
+                    "no router, no link throughput)")
     args = ap.parse_args()
     if not Path(args.model, "config.json").exists():
         from common.models.tiny import build_tiny
@@ -228,8 +240,10 @@ def main() -> int:
         build_tiny("llama", args.model, size="60m")
     torch.set_num_threads(args.threads)
     tune_malloc()  # this process sends KV as a prefill worker would (pdserve serve tunes its workers the same)
+    if args.handoff_only:
+        return handoff_only(args)
     single = single_process(args.model, args.threads)
-    proc, info = start_cluster(args.model, args.threads, tls=args.tls)
+    proc, info = start_cluster(args.model, args.threads, tls=args.tls, kv_transport=args.kv_transport)
     try:
         cluster = through_router(info["router"])
         handoff = handoff_breakdown(info)
@@ -253,6 +267,26 @@ def main() -> int:
               f"{h['overlapped_share']:6.0%}")
     print(f"KV over gRPC {kv_grpc:.2f} GB/s vs bare gRPC stream {bare:.2f} GB/s: {kv_grpc / bare:.0%}")
     print(f"KV over shared memory: {shm if shm is None else f'{shm:.2f} GB/s'}")
+    return 0
+
+
+def handoff_only(args) -> int:
+    proc, info = start_cluster(args.model, args.threads, tls=args.tls, kv_transport=args.kv_transport)
+    try:
+        handoff_breakdown(info)  # warm-up: channels opened, first-touch of the caches
+        handoff = handoff_breakdown(info)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    if args.json:
+        print(json.dumps({"handoff": handoff, "kv_transport": args.kv_transport}))
+        return 0
+    print(f"KV by {args.kv_transport} ({os.environ.get('PDSERVE_NIXL_BLOCKS', '1')=}):")
+    print(f"{'prompt':>6} | {'KV MiB':>7} {'xfer ms':>8} {'prefill ms':>10} {'exposed ms':>10} {'overlap':>7}")
+    for n in PROMPT_LENS:
+        h = handoff[n]
+        print(f"{n:>6} | {h['kv_bytes'] / MiB:7.1f} {h['kv_transfer_s'] * 1e3:8.1f} {h['prefill_s'] * 1e3:10.1f} "
+              f"{h['exposed_s'] * 1e3:10.1f} {h['overlapped_share']:6.0%}")
     return 0
 
 

@@ -23,7 +23,8 @@ the rest still runs; once ``--deadline-s`` has passed, the remaining ones are sk
                  greedy tokens of both engines compared (an error if the graphs switched themselves off)
   kv_transfer    GB/s of the sender's path (export_kv's extraction; staging to host and wire encoding with
                  crc32), the receiver's (checks, write_kv) with an exact round trip, plain device -> host copies,
-                 and a NIXL write device -> device between two agents where NIXL is installed
+                 and a NIXL write device -> device between two agents where NIXL is installed, and NIXL block
+                 writes (common.kv_transfer.nixl_blocks) from the engine's cache into another on the device
   ttft           16 concurrent 512-token prompts: worst time to first token (target < 500 ms)
   short_requests 512 requests of 64 prompt + 16 new tokens, all at once: requests/s (target > 100)
   stream_rate    16 streams: the slowest stream's tokens/s after its first token (target > 50)

@@ -287,6 +287,7 @@ def kv_transfer(ck, s) -> None:
         landed = [engine.kv_cache.read_blocks(layer, blocks) for layer in range(engine.kv_spec.num_layers)]
         exact = assembler.complete and all(torch.equal(lk, k) and torch.equal(lv, v)
                                            for (lk, lv), (k, v) in zip(landed, handoff.layers))  # fmt: skip
+        blocks_gb_s, blocks_note = nixl_blocks_bandwidth(ck, engine.kv_cache, blocks)  # from the landed copy
     finally:
         engine.release_kv(received)
     pinned, pageable = copy_bandwidth(ck, c.copy_bytes)
@@ -297,7 +298,10 @@ def kv_transfer(ck, s) -> None:
             "copy_pageable_gb_s": pageable}  # fmt: skip
     if nixl_gb_s is not None:
         vals["nixl_write_gb_s"] = nixl_gb_s
+    if blocks_gb_s is not None:
+        vals["nixl_blocks_gb_s"] = blocks_gb_s
     s.info["nixl"] = nixl_note
+    s.info["nixl_blocks"] = blocks_note
     s.values = vals
     g = {key: f"{value:.3g}" for key, value in vals.items()}  # GB/s to 3 significant digits
     host = f"to host {g['stage_gb_s']}" if ck.cuda else "to host: none (already there)"
@@ -305,7 +309,8 @@ def kv_transfer(ck, s) -> None:
               else f"host memcpy {g['copy_pinned_gb_s']} (no device)")  # fmt: skip
     s.text = (f"{n}-token KV ({nbytes / MiB:.1f} MiB), GB/s: extract {g['extract_gb_s']}, {host}, to host+encode "
               f"{g['stage_encode_gb_s']}, sender total {g['sender_gb_s']}, receive+write {g['receive_gb_s']} (round "
-              f"trip exact: {'yes' if exact else 'NO'}); plain {copies}; NIXL write {nixl_note}")  # fmt: skip
+              f"trip exact: {'yes' if exact else 'NO'}); plain {copies}; NIXL write {nixl_note}; NIXL block "
+              f"writes {blocks_note}")  # fmt: skip
     if not exact:
         raise SectionError(f"the KV the receiver wrote differs from what was sent: {s.text}")
 
@@ -368,6 +373,54 @@ def nixl_bandwidth(ck, nbytes: int) -> tuple[float | None, str]:
         return None, f"failed ({mem} to {mem}: {e!r:.200})"
     rate = nbytes / best / GB
     return rate, f"{mem} to {mem} {rate:.3g} ({nbytes / MiB:.0f} MiB, two agents in one process)"
+
+
+def nixl_blocks_bandwidth(ck, cache, block_ids: list[int]) -> tuple[float | None, str]:
+    """GB/s of the NIXL block transport (common.kv_transfer.nixl_blocks: claim, one write per layer, checksums,
+    done) moving ``block_ids`` of ``cache`` into another cache on the same device (VRAM to VRAM on CUDA), best of 3
+    requests, checked bit for bit; (None, why) where NIXL is not installed or the transfer fails."""
+    from common.engine.kv_cache import PagedKVCache
+    from common.kv_transfer import nixl, nixl_blocks
+
+    if nixl.nixl_api() is None:
+        return None, "n/a (NIXL not installed)"
+    mem = "VRAM" if ck.cuda else "DRAM"
+    spec, n = cache.spec, len(block_ids)
+    dst_ids = list(range(1, n + 1))
+    receiver = sender = None
+    try:
+        dst = PagedKVCache(spec, n + 1, device=cache.data.device)
+        receiver = nixl.NixlKVReceiver(kv_cache=dst)
+        sender = nixl_blocks.NixlBlockSender(receiver.metadata, cache)
+        best = float("inf")
+        for i in range(3):
+            rid = f"gpu-check-blocks-{i}"
+            receiver.expect(rid, spec.num_layers, n, spec, lambda *args: None, deadline_s=60.0)
+            receiver.offer_blocks(rid, dst_ids)
+            ck.sync()
+            t = time.perf_counter()
+            sender.claim(rid, dst_ids, spec.num_layers)
+            for layer in range(spec.num_layers):
+                sender.send_blocks(rid, layer, block_ids)
+            result = sender.finish(rid, timeout_s=60.0)
+            if not result.ok:
+                return None, f"failed ({mem} to {mem}: {result.error:.200})"
+            best = min(best, time.perf_counter() - t)
+            receiver.wait(rid, timeout_s=5.0)
+        ck.sync()
+        landed, sent = dst.data[:, :, :, dst_ids], cache.data[:, :, :, block_ids]
+        if not torch.equal(landed.contiguous().view(torch.uint8), sent.contiguous().view(torch.uint8)):
+            return None, f"failed ({mem} to {mem}: the blocks differ)"
+    except Exception as e:  # noqa: BLE001  (a NIXL build without this memory type, no UCX transport, ...)
+        return None, f"failed ({mem} to {mem}: {e!r:.200})"
+    finally:
+        if sender is not None:
+            sender.close()
+        if receiver is not None:
+            receiver.close()
+    nbytes = spec.num_layers * 2 * spec.num_kv_heads * n * spec.block_size * spec.head_dim * cache.data.element_size()
+    rate = nbytes / best / GB
+    return rate, f"{mem} to {mem} {rate:.3g} ({nbytes / MiB:.1f} MiB in {n} blocks, cache to cache, one process)"
 
 
 # -- serving targets ------------------------------------------------------------------------------------------

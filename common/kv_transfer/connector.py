@@ -35,8 +35,10 @@ Decode worker (:class:`KVReceiver`, one per worker, serving every prefill peer)
 
 ``write`` (given to ``expect``) runs on the receiver's transport thread: it must only touch the
 request's own reserved blocks (as :meth:`~common.engine.disagg.KVHandoffMixin.write_kv` does) and copy
-``k``/``v`` out before returning. Transports: :mod:`common.kv_transfer.shm` (same host); gRPC carries
-the same chunk bytes inside a bytes field of a streaming RPC.
+``k``/``v`` out before returning. Transports: :mod:`common.kv_transfer.shm` (same host),
+:mod:`common.kv_transfer.nixl` (any host); gRPC carries the same chunk bytes inside a bytes field of a streaming
+RPC. :mod:`common.kv_transfer.nixl_blocks` moves blocks without chunks or ``write``: its sender writes into the
+reserved blocks itself, so there the blocks may be freed only once ``NixlKVReceiver.writing`` is False as well.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ Life cycle of a request on a decode worker:
    ``prefill_here`` (conditional disaggregation, sessions) there is no reservation: the request is
    prefilled here, reusing what this worker's prefix cache holds, and every token streams back.
 4. ``ReleaseKv`` (router), the lease's end, or the end of decoding free the blocks. Never a leak, never a hang.
+   Blocks a NIXL block sender claimed (``--kv-nixl``, :mod:`common.kv_transfer.nixl_blocks`) wait until no write
+   of it can land in them any more: its quiet, or the end of its grant.
 """
 
 from __future__ import annotations
@@ -523,7 +525,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         return worker_pb2.ReleaseKvResponse(released=self.release(request.request_id))
 
     def release(self, request_id: str) -> bool:
-        """Release a reservation or abort a decoding request; True if there was one. Idempotent."""
+        """Release a reservation or abort a decoding request; True if there was one. Idempotent. A reservation
+        a NIXL block sender may still write is held, and its blocks freed by :meth:`expire_leases` later."""
         with self._lock:
             reservation = self._reservations.pop(request_id, None)
         for receiver in self._receivers:

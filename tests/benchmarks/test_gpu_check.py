@@ -53,6 +53,8 @@ def test_quick_cpu_run_reports_every_section_with_numbers_and_an_exact_oracle():
     assert all(kv[k] > 0 for k in ("extract_gb_s", "stage_encode_gb_s", "receive_gb_s", "copy_pinned_gb_s"))
     info = sections["kv_transfer"]["info"]["nixl"]  # NIXL is in the test extra: DRAM to DRAM here
     assert kv["nixl_write_gb_s"] > 0 and info.startswith("DRAM to DRAM "), info
+    info = sections["kv_transfer"]["info"]["nixl_blocks"]  # the block transport, the engine's cache to another
+    assert kv["nixl_blocks_gb_s"] > 0 and info.startswith("DRAM to DRAM ") and "in 16 blocks" in info, info
 
     decode = sections["decode"]["values"]
     assert set(decode) == {"batch_1_tok_s", "batch_4_tok_s", "batch_8_tok_s", "stock_batch_1_tok_s"}

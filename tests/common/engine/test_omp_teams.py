@@ -65,6 +65,10 @@ out["before"] = threads()
 (x * 2).sum()
 out["with_team"] = threads()
 out["released"] = omp_teams.release_team()
+import time
+until = time.monotonic() + 10  # the workers exit on their own threads: on a loaded machine, a moment later
+while threads() != out["before"] and time.monotonic() < until:
+    time.sleep(0.01)
 out["after_release"] = threads()
 y = (x * 2).sum()
 out["again"] = threads()

@@ -253,6 +253,15 @@ def test_the_setting_is_0_or_1(monkeypatch):
     monkeypatch.setenv(nixl_blocks.BLOCKS_ENV, "no")
     with pytest.raises(ValueError, match="PDSERVE_NIXL_BLOCKS must be 0 or 1, got 'no'"):
         nixl_blocks.blocks_enabled()
+    from services.decode.main import make_parts as decode_parts
+    from services.prefill.main import make_parts as prefill_parts
+    from services.worker.config import WorkerConfig
+
+    for make_parts, flags, flag in ((decode_parts, {"kv_nixl": True}, "--kv-nixl"),
+                                    (prefill_parts, {"kv_transport": "nixl"}, "--kv-transport nixl")):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:  # a worker asked for NIXL refuses to start, naming the value
+            make_parts(WorkerConfig(model="unused", **flags))
+        assert str(exc.value) == f"{flag}: PDSERVE_NIXL_BLOCKS must be 0 or 1, got 'no'"
 
 
 def _receive_in_child(conn) -> None:
