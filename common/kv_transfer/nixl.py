@@ -119,9 +119,8 @@ def progress_thread() -> bool:
     return value == "1"
 
 
-def setup_error() -> str:
-    """'' when NIXL agents can be made here, else why not: NIXL not installed, or a bad
-    ``PDSERVE_NIXL_PROGRESS_THREAD`` or ``PDSERVE_NIXL_BLOCKS`` (what a worker checks before it starts)."""
+def settings_error() -> str:
+    """'' when ``PDSERVE_NIXL_PROGRESS_THREAD`` and ``PDSERVE_NIXL_BLOCKS`` are 0 or 1 (or unset), else which is not."""
     from common.kv_transfer.nixl_blocks import blocks_enabled  # (it builds on this module)
 
     try:
@@ -129,7 +128,13 @@ def setup_error() -> str:
         blocks_enabled()
     except ValueError as exc:
         return str(exc)
-    return unavailable_reason()
+    return ""
+
+
+def setup_error() -> str:
+    """'' when NIXL agents can be made here, else why not: a bad setting (:func:`settings_error`) or NIXL not
+    installed (what a decode worker with ``--kv-nixl`` checks before it starts)."""
+    return settings_error() or unavailable_reason()
 
 
 def _new_agent(role: str):

@@ -17,10 +17,8 @@ SERVICE_NAME = "pdserve.v1.PrefillService"
 def make_parts(config: WorkerConfig):
     kv_tls = TlsFiles.from_config(config)  # the KV channels to decode workers present this worker's certificate
     if config.kv_transport == "nixl":  # a bad setting fails the start, not each channel (no NIXL: gRPC, logged)
-        try:
-            nixl.progress_thread()
-        except ValueError as exc:
-            raise SystemExit(f"--kv-transport nixl: {exc}") from None
+        if why := nixl.settings_error():
+            raise SystemExit(f"--kv-transport nixl: {why}")
 
     def make(loop: EngineLoop, identity: ModelIdentity, obs: WorkerObs) -> WorkerParts:
         servicer = PrefillServicer(
