@@ -145,7 +145,7 @@ def through_router(router: str) -> dict[int, dict]:
     return out
 
 
-def handoff_breakdown(info: dict) -> dict[int, dict]:
+def handoff_breakdown(info: dict, seed: int = 10) -> dict[int, dict]:
     """Drive the hand-off by hand (as the router does) to read the prefill worker's transfer figures."""
     decode = worker_pb2_grpc.DecodeServiceStub(worker_channel(info, "decode"))
     prefill = worker_pb2_grpc.PrefillServiceStub(worker_channel(info, "prefill"))
@@ -158,7 +158,7 @@ def handoff_breakdown(info: dict) -> dict[int, dict]:
             reserved = decode.ReserveKv(worker_pb2.ReserveKvRequest(request_id=rid, num_tokens=n, lease_seconds=30))
             t0 = time.perf_counter()
             resp = prefill.Prefill(worker_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompts_of(n, 10 + r), sampling=sampling,
+                request_id=rid, prompt_token_ids=prompts_of(n, seed + r), sampling=sampling,
                 kv_target_address=info["decode"], decode_identity=reserved.identity,
                 kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host,
                 kv_nixl_metadata=reserved.kv_nixl_metadata, kv_block_ids=reserved.kv_block_ids))  # fmt: skip
@@ -273,7 +273,7 @@ def main() -> int:
 def handoff_only(args) -> int:
     proc, info = start_cluster(args.model, args.threads, tls=args.tls, kv_transport=args.kv_transport)
     try:
-        handoff_breakdown(info)  # warm-up: channels opened, first-touch of the caches
+        handoff_breakdown(info, seed=100)  # warm-up (other prompts: no prefix cache hits later)
         handoff = handoff_breakdown(info)
     finally:
         proc.send_signal(signal.SIGINT)
