@@ -47,7 +47,7 @@ from common.engine.kv_cache import PagedKVCache
 from common.engine.omp_teams import run_serially
 from common.kv_transfer.blocks import CacheLayout, CacheRegion, layer_checksum, write_descs
 from common.kv_transfer.connector import TransferResult, TransferState
-from common.kv_transfer.nixl import _AWAIT_POLL_S, _IDLE_POLL_S, _POLL_S, _new_agent, _notifs
+from common.kv_transfer.nixl import _AWAIT_POLL_S, _IDLE_POLL_S, _POLL_S, _new_agent
 from common.kv_transfer.slots import _Transfer, encode, failed_msg
 from common.kv_transfer.wire import WIRE_VERSION, encode_request_id
 
@@ -88,36 +88,115 @@ class _Outgoing(_Transfer):
     forgotten: bool = False  # finish() returned: the record goes once nothing of it is in flight
 
 
+class BlockEndpoint:
+    """A prefill worker's side of block writes: one NIXL agent with the KV cache registered once, whatever the
+    number of decode workers it writes to (an RDMA NIC pins and maps the cache once), shared by every
+    :class:`NixlBlockSender`. Notifications are sorted per receiver (:meth:`notes`); one channel per receiver at a
+    time (:meth:`attach` waits for a closing one to be gone, so its last notes precede the next one's hello)."""
+
+    def __init__(self, kv_cache: PagedKVCache) -> None:
+        self.cache = kv_cache
+        self.layout = CacheLayout.of(kv_cache)
+        self.region = CacheRegion.of(kv_cache)
+        self.name, self.agent = _new_agent("send")
+        self.lock = threading.Lock()  # one NIXL call at a time, from every channel's thread
+        self._cond = threading.Condition()
+        self._attached: set[str] = set()  # receivers with a channel open
+        self._inbox: dict[str, list[bytes]] = {}
+        self._loaded: dict[str, int] = {}  # receiver -> channels that loaded its metadata (open or closing)
+        self.registered = self.agent.register_memory(kv_cache.data)
+
+    def load(self, metadata: bytes) -> str:
+        """Load a receiver's metadata (again: a later copy may carry registrations made since); its name."""
+        with self.lock:
+            name = self.agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        with self._cond:
+            self._loaded[name] = self._loaded.get(name, 0) + 1
+        return name
+
+    def unload(self, receiver: str) -> None:
+        """A channel that loaded ``receiver`` is gone: forget the receiver once no channel uses it."""
+        with self._cond:
+            self._loaded[receiver] -= 1
+            if self._loaded[receiver]:
+                return
+            del self._loaded[receiver]
+        with self.lock:
+            try:
+                self.agent.remove_remote_agent(receiver)
+            except Exception:  # noqa: BLE001, S110
+                pass
+
+    def attach(self, receiver: str, timeout_s: float) -> None:
+        """Reserve ``receiver`` for a new channel; ConnectionError if another is still open after ``timeout_s``."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: receiver not in self._attached, timeout_s):
+                raise ConnectionError(f"a NIXL KV block channel to {receiver} is still open")
+            self._attached.add(receiver)
+            self._inbox[receiver] = []
+
+    def detach(self, receiver: str) -> None:
+        with self._cond:
+            self._attached.discard(receiver)
+            self._inbox.pop(receiver, None)
+            self._cond.notify_all()
+
+    def notes(self, receiver: str) -> list[bytes]:
+        """The notes that came from ``receiver`` since the last call (those of receivers not attached are dropped)."""
+        with self.lock:
+            got = self.agent.get_new_notifs()
+        with self._cond:
+            for peer, msgs in got.items():
+                if peer in self._inbox:
+                    self._inbox[peer].extend(msgs)
+            if receiver not in self._inbox:
+                return []
+            mine, self._inbox[receiver] = self._inbox[receiver], []
+            return mine
+
+    def close(self) -> None:
+        """After every channel closed (the prefill worker is stopping)."""
+        with self.lock:
+            if self.registered is not None:
+                self.agent.deregister_memory(self.registered)  # the cache itself is the engine's
+                self.registered = None
+
+
 class NixlBlockSender:
     """Writes a prefill worker's KV blocks (``kv_cache``, registered with its own NIXL agent) straight into the
     blocks a :class:`~common.kv_transfer.nixl.NixlKVReceiver` reserved, per request (see the module doc).
 
-    The constructor connects (at most ``connect_timeout_s``): raises :class:`BlocksRefused` when the receiver takes
-    no blocks from this cache, ConnectionError when it does not answer; either leaves nothing behind. Verbs as
+    ``endpoint``: the worker's :class:`BlockEndpoint` (given a cache, the sender makes one of its own and closes it
+    with itself). The constructor connects (at most ``connect_timeout_s``): raises :class:`BlocksRefused` when the
+    receiver takes no blocks from this cache, ConnectionError when it does not answer; either leaves nothing
+    behind. Verbs as
     :class:`~common.kv_transfer.connector.KVSender`'s, but a request starts with :meth:`claim` and sends its layers
     by block id (:meth:`send_blocks`), not as tensors. ``corrupt_next_layer`` is a TEST-ONLY switch: the next layer
     gets one byte of its first block flipped in the source cache after its checksum was taken.
     """
 
-    def __init__(self, metadata: bytes, kv_cache: PagedKVCache, *, connect_timeout_s: float = 5.0) -> None:
-        self.layout = CacheLayout.of(kv_cache)
-        self.region = CacheRegion.of(kv_cache)
+    def __init__(self, metadata: bytes, endpoint: BlockEndpoint | PagedKVCache, *,
+                 connect_timeout_s: float = 5.0) -> None:  # fmt: skip
+        self._own_endpoint = isinstance(endpoint, PagedKVCache)
+        self._endpoint = endpoint = BlockEndpoint(endpoint) if self._own_endpoint else endpoint
+        self.layout, self.region, self.name = endpoint.layout, endpoint.region, endpoint.name
         self.corrupt_next_layer = False  # TEST ONLY
-        self._cache = kv_cache
-        self.name, self._agent = _new_agent("send")
-        self._lock = threading.Lock()  # one NIXL call at a time
+        self._cache = endpoint.cache
+        self._agent, self._lock = endpoint.agent, endpoint.lock  # one NIXL call at a time
         self._cond = threading.Condition()  # guards the records below
         self._transfers: dict[str, _Outgoing] = {}
         self._broken = ""
         self._closed = False
         self._layers: queue.SimpleQueue[tuple[str, int, np.ndarray]] = queue.SimpleQueue()  # from the engine
         self._wake = threading.Event()
-        self._registered = None
         self.receiver = None
+        self._loaded = self._attached = False
         try:
-            self._registered = self._agent.register_memory(kv_cache.data)
-            receiver = self._agent.add_remote_agent(metadata)
-            self.receiver = receiver.decode() if isinstance(receiver, bytes) else receiver
+            self.receiver = endpoint.load(metadata)
+            self._loaded = True
+            endpoint.attach(self.receiver, timeout_s=connect_timeout_s)
+            self._attached = True
             self.remote = self._connect(connect_timeout_s)
         except Exception as e:
             self._release()
@@ -134,9 +213,9 @@ class NixlBlockSender:
             self._agent.send_notif(self.receiver, hello + b"\n" + self._agent.get_agent_metadata())
         until = time.monotonic() + timeout_s
         while time.monotonic() < until:
-            for peer, msg in _notifs(self._agent, self._lock):
+            for msg in self._endpoint.notes(self.receiver):
                 head, _, metadata = msg.partition(b"\n")
-                reply = json.loads(head) if peer == self.receiver else {}
+                reply = json.loads(head)
                 if reply.get("op") == "blocks":
                     with self._lock:
                         self._agent.add_remote_agent(metadata)  # with the cache's registration
@@ -255,15 +334,14 @@ class NixlBlockSender:
             self._fail_all(self._broken)
 
     def _release(self) -> None:
-        with self._lock:
-            if self._registered is not None:
-                self._agent.deregister_memory(self._registered)  # the cache itself is the engine's
-                self._registered = None
-            if isinstance(self.receiver, str):
-                try:
-                    self._agent.remove_remote_agent(self.receiver)
-                except Exception:  # noqa: BLE001, S110
-                    pass
+        if self._attached:
+            self._endpoint.detach(self.receiver)
+            self._attached = False
+        if self._loaded:
+            self._endpoint.unload(self.receiver)
+            self._loaded = False
+        if self._own_endpoint:
+            self._endpoint.close()
 
     # -- the I/O thread -----------------------------------------------------------------------------------------
 
@@ -277,9 +355,8 @@ class NixlBlockSender:
                 except queue.Empty:
                     break
                 self._take_layer(request_id, layer, src)
-            for peer, msg in _notifs(self._agent, self._lock):
-                if peer == self.receiver:
-                    self._on_note(msg)
+            for msg in self._endpoint.notes(self.receiver):
+                self._on_note(msg)
             self._post_waiting()
             self._check_writes()
             poll_s = self._tell()

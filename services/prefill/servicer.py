@@ -33,7 +33,7 @@ from common.engine.identity import ModelIdentity
 from common.kv_transfer.connector import KVSender, SenderPool
 from common.kv_transfer.grpc_transport import GrpcKVSender, PushResult
 from common.kv_transfer.nixl import NixlKVSender
-from common.kv_transfer.nixl_blocks import BlocksRefused, NixlBlockSender, blocks_enabled
+from common.kv_transfer.nixl_blocks import BlockEndpoint, BlocksRefused, NixlBlockSender, blocks_enabled
 from common.kv_transfer.shm import ShmKVSender
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing, call_scope
@@ -88,6 +88,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self._senders: dict[str, GrpcKVSender | _ConnectorRequest] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._connectors = SenderPool()  # (transport, decode worker's endpoint) -> channel
+        self._block_endpoint: BlockEndpoint | None = None  # NIXL block writes: this worker's agent, made on first use
         self._lock = threading.Lock()
         # With tensor parallelism the engine cannot stream KV per layer (each rank holds only its heads): the
         # whole KV is gathered after the prefill instead (_send_exported).
@@ -264,7 +265,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                 return ShmKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
             if self.stream_layers and blocks_enabled():  # straight from this cache into the reserved blocks
                 try:
-                    return NixlBlockSender(endpoint, self.loop.engine.kv_cache)
+                    return NixlBlockSender(endpoint, self._blocks_endpoint())
                 except BlocksRefused as exc:
                     log.info("NIXL KV by arena, not by block: %s", exc)
             return NixlKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
@@ -275,8 +276,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             log.warning("no %s KV channel to the decode worker (%s); using gRPC", transport, exc)
             return None
 
+    def _blocks_endpoint(self) -> BlockEndpoint:
+        with self._lock:  # one agent, the KV cache registered once, for every decode worker
+            if self._block_endpoint is None:
+                self._block_endpoint = BlockEndpoint(self.loop.engine.kv_cache)
+            return self._block_endpoint
+
     def close(self) -> None:
         self._connectors.close()
+        if self._block_endpoint is not None:
+            self._block_endpoint.close()
 
     def _cancel(self, rid: str) -> None:
         sender = self._senders.pop(rid, None)

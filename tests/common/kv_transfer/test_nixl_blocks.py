@@ -229,6 +229,42 @@ def test_a_silent_granted_sender_holds_the_blocks_until_the_deadline_and_grace(m
 
 
 @needs_nixl
+def test_one_endpoint_serves_two_decode_workers_and_takes_one_channel_per_worker():
+    src = random_cache(12, 0)
+    endpoint = nixl_blocks.BlockEndpoint(src)  # one agent, the cache registered once
+    caches = [random_cache(32, 1), random_cache(32, 2)]
+    receivers = [nixl.NixlKVReceiver(kv_cache=cache) for cache in caches]
+    senders = [nixl_blocks.NixlBlockSender(r.metadata, endpoint) for r in receivers]
+    try:
+        assert senders[0].name == senders[1].name == endpoint.name
+        for i, (sender, receiver) in enumerate(zip(senders, receivers, strict=True)):
+            expect(receiver, f"req-{i}", DST_BLOCKS)
+            sender.claim(f"req-{i}", DST_BLOCKS, SPEC.num_layers)
+        for layer in range(SPEC.num_layers):  # interleaved: each channel gets its own receiver's notes
+            for i, sender in enumerate(senders):
+                sender.send_blocks(f"req-{i}", layer, SRC_BLOCKS if i == 0 else SRC_BLOCKS[::-1])
+        for i, (sender, receiver) in enumerate(zip(senders, receivers, strict=True)):
+            assert sender.finish(f"req-{i}", timeout_s=20.0).ok and receiver.wait(f"req-{i}", timeout_s=5.0).ok
+        assert torch.equal(blocks_of(caches[0], DST_BLOCKS), blocks_of(src, SRC_BLOCKS))
+        assert torch.equal(blocks_of(caches[1], DST_BLOCKS), blocks_of(src, SRC_BLOCKS[::-1]))
+
+        with pytest.raises(ConnectionError, match="a NIXL KV block channel to .* is still open"):
+            nixl_blocks.NixlBlockSender(receivers[0].metadata, endpoint, connect_timeout_s=0.2)
+        senders[0].close()  # a new channel to that worker after it; the other channel is not disturbed
+        senders[0] = nixl_blocks.NixlBlockSender(receivers[0].metadata, endpoint)
+        for i, (sender, receiver) in enumerate(zip(senders, receivers, strict=True)):
+            expect(receiver, f"again-{i}", DST_BLOCKS)
+            send(sender, f"again-{i}", SRC_BLOCKS, DST_BLOCKS)
+            assert sender.finish(f"again-{i}", timeout_s=20.0).ok and receiver.wait(f"again-{i}", timeout_s=5.0).ok
+    finally:
+        for sender in senders:
+            sender.close()
+        for receiver in receivers:
+            receiver.close()
+        endpoint.close()
+
+
+@needs_nixl
 def test_a_receiver_without_a_cache_or_of_another_layout_refuses_blocks():
     plain = nixl.NixlKVReceiver()
     other = nixl.NixlKVReceiver(kv_cache=PagedKVCache(KVCacheSpec(3, 2, 32, 8, torch.bfloat16), 4))
