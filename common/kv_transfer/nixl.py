@@ -45,6 +45,7 @@ import torch
 from common.engine.kv_cache import PagedKVCache
 from common.engine.omp_teams import run_serially
 from common.kv_transfer.connector import TransferState
+from common.kv_transfer.nixl_landing import BlockLanding
 from common.kv_transfer.slots import SlotReceiver, SlotSender, encode
 from common.kv_transfer.wire import WIRE_VERSION
 
@@ -350,8 +351,6 @@ class NixlKVReceiver(SlotReceiver):
         landing arena; a sender that comes back after it finds its writes failing and connects again.
         ``kv_cache``: registered with the agent for direct block writes (None: arenas only); ``on_block_bytes``
         is told the bytes of each request that landed so (the metrics' received bytes)."""
-        from common.kv_transfer.nixl_blocks import BlockLanding  # (it builds on this module)
-
         name, self._agent = _new_agent("recv")
         super().__init__(name)
         self.max_arena_bytes = max_arena_bytes

@@ -14,7 +14,7 @@ from common.engine.engine_loop import EngineLoop
 from common.engine.identity import ModelIdentity
 from common.engine.kv_cache import PagedKVCache
 from common.engine.loader import load_model
-from common.kv_transfer import nixl, nixl_blocks
+from common.kv_transfer import nixl, nixl_blocks, nixl_landing
 from pdserve.v1 import worker_pb2
 from services.decode.servicer import DecodeServicer
 
@@ -75,7 +75,7 @@ def test_released_blocks_wait_for_the_sender_s_quiet(decode):
 
 def test_a_silent_sender_holds_them_until_its_grant_ends(decode, monkeypatch):
     loop, servicer, receiver, sender = decode
-    monkeypatch.setattr(nixl_blocks, "GRANT_GRACE_S", 1.0)
+    monkeypatch.setattr(nixl_landing, "GRANT_GRACE_S", 1.0)
     claim_one_layer(servicer, receiver, sender, "req-S", lease_s=1.0)
     monkeypatch.setattr(sender, "_send", lambda msg: None)  # no quiet will come
     reserved_at = time.monotonic()

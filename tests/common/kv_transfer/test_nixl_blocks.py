@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.engine.kv_cache import KVCacheSpec, PagedKVCache
-from common.kv_transfer import nixl, nixl_blocks
+from common.kv_transfer import nixl, nixl_blocks, nixl_landing
 from common.kv_transfer.blocks import CacheLayout, CacheRegion, layer_checksum, runs, write_descs
 from common.kv_transfer.connector import TransferState
 from tests.common.kv_transfer.test_shm import KVBuffer
@@ -218,7 +218,7 @@ def test_a_receiver_abort_holds_the_blocks_while_the_sender_may_write(pair):
 @needs_nixl
 def test_a_silent_granted_sender_holds_the_blocks_until_the_deadline_and_grace(monkeypatch, pair):
     sender, receiver, _, _ = pair
-    monkeypatch.setattr(nixl_blocks, "GRANT_GRACE_S", 1.0)
+    monkeypatch.setattr(nixl_landing, "GRANT_GRACE_S", 1.0)
     expect(receiver, "req-Q", DST_BLOCKS, deadline_s=1.0)
     send(sender, "req-Q", SRC_BLOCKS, DST_BLOCKS, num_layers=1)
     assert wait_until(lambda: receiver.writing("req-Q"))  # granted
