@@ -199,6 +199,12 @@ class KVHandoffMixin:
         self.scheduler.add(request)
         return request_id
 
+    def hold_kv(self: LLMEngine, request_id: str, key: str) -> bool:
+        """Keep a reservation's blocks under ``key``, freeing ``request_id`` for a new reservation (a retry of the
+        request) while another engine may still write the old blocks; :meth:`release_kv` with ``key`` frees them.
+        False if there is no reservation."""
+        return self.reservations.rename(request_id, key)
+
     def release_kv(self: LLMEngine, request_id: str) -> bool:
         """Free a reservation (its transfer failed or was cancelled); False if there is none."""
         return self.reservations.release(request_id)

@@ -68,6 +68,18 @@ class ReservationTable:
         del self._reservations[request_id]
         return reservation
 
+    def rename(self, request_id: str, new_id: str) -> bool:
+        """Move a reservation (blocks and lease unchanged) to ``new_id``; False if there is none. ValueError if
+        ``new_id`` is taken."""
+        if new_id in self._reservations:
+            raise ValueError(f"request {new_id!r} already has a KV reservation")
+        reservation = self._reservations.pop(request_id, None)
+        if reservation is None:
+            return False
+        reservation.request_id = new_id
+        self._reservations[new_id] = reservation
+        return True
+
     def release(self, request_id: str) -> bool:
         """Free a reservation's blocks; False if there is none (idempotent)."""
         reservation = self._reservations.pop(request_id, None)

@@ -376,6 +376,11 @@ class NixlKVReceiver(SlotReceiver):
         self.blocks.offer(request_id, block_ids)
         return True
 
+    def hold(self, request_id: str) -> str | None:
+        """Keep a failed request's blocks from reuse while its block sender may still write them, under a key of
+        their own (returned; None: no sender was granted them): ``writing(key)`` says when they may go."""
+        return None if self.blocks is None else self.blocks.hold(request_id)
+
     def writing(self, request_id: str) -> bool:
         """Whether a block sender's writes may still land in the request's blocks. The decode worker frees a
         reservation only once this is False, even after :meth:`abort` (a sender's writes need no help from this

@@ -21,6 +21,7 @@ GRANT_GRACE_S = 10.0  # past a reservation's deadline, a granted sender that nev
 
 @dataclass
 class _Grant:
+    request_id: str
     peer: object  # the _NixlPeer whose writes may land in the blocks
     until_s: float  # time.monotonic(): the blocks are free to go after this, quiet or not
     layers: set[int] = field(default_factory=set)  # layers landed and checked
@@ -43,7 +44,8 @@ class BlockLanding:
             self.registered = receiver._agent.register_memory(kv_cache.data)
         self._lock = threading.Lock()
         self._offers: dict[str, np.ndarray] = {}  # request id -> the reservation's block ids
-        self._grants: dict[str, _Grant] = {}
+        self._grants: dict[str, _Grant] = {}  # by request id, or by the key hold() gave
+        self._num_held = 0
 
     def offer(self, request_id: str, block_ids: list[int]) -> None:
         """Let a sender claim the reservation of ``request_id`` (already expected by the receiver), whose blocks
@@ -52,10 +54,24 @@ class BlockLanding:
             self._offers[request_id] = np.asarray(block_ids, np.int64)
 
     def writing(self, request_id: str) -> bool:
-        """Whether a sender's writes may still land in the request's blocks: they must not be freed yet."""
+        """Whether a sender's writes may still land in the request's blocks (``request_id``, or the key
+        :meth:`hold` gave them): they must not be freed yet."""
         with self._lock:
             grant = self._grants.get(request_id)
             return grant is not None and time.monotonic() < grant.until_s
+
+    def hold(self, request_id: str) -> str | None:
+        """The request ended here while its sender may still write: its grant moves to a key of its own (returned;
+        None when there is no grant), so the request id is free for a retry, whose claim gets a grant of its own.
+        The sender's quiet still ends it."""
+        with self._lock:
+            grant = self._grants.pop(request_id, None)
+            if grant is None:
+                return None
+            self._num_held += 1
+            key = f"{request_id}#held-{self._num_held}"
+            self._grants[key] = grant
+            return key
 
     # -- for the receiver's I/O thread ----------------------------------------------------------------------------
 
@@ -93,7 +109,7 @@ class BlockLanding:
                 with receiver._cond:
                     entry.state = TransferState.TRANSFERRING
                 with self._lock:
-                    self._grants[request_id] = _Grant(peer, entry.deadline_at_s + GRANT_GRACE_S)
+                    self._grants[request_id] = _Grant(request_id, peer, entry.deadline_at_s + GRANT_GRACE_S)
         if error:
             peer.send(failed_msg(request_id, error))
         else:
@@ -138,9 +154,8 @@ class BlockLanding:
 
     def on_quiet(self, peer, request_id: str) -> None:
         with self._lock:
-            grant = self._grants.get(request_id)
-            if grant is not None and grant.peer is peer:
-                del self._grants[request_id]
+            for key in [k for k, g in self._grants.items() if g.request_id == request_id and g.peer is peer]:
+                del self._grants[key]
 
     def forget_peer(self, peer, *, said_bye: bool) -> None:
         """A sender went: after its bye (its writes completed) its grants end; a sender dropped otherwise may

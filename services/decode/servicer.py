@@ -158,7 +158,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.stream_timeout_s = stream_timeout_s
         self.stream_interval = stream_interval
         self._reservations: dict[str, _Reservation] = {}
-        self._held: dict[str, bool] = {}  # released reservations whose blocks a NIXL block sender may still write
+        self._held: dict[str, bool] = {}  # keys of released reservations a NIXL block sender may still write
         self._lock = threading.Lock()  # guards the dict, not the reservations
         self.shm_receiver = shm_receiver
         self.nixl_receiver = nixl_receiver
@@ -534,9 +534,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         if reservation is not None:
             with reservation.lock:  # waits for a chunk being written into these blocks
                 reservation.released = True
-        if self.nixl_receiver is not None and self.nixl_receiver.writing(request_id):
-            with self._lock:  # a NIXL block sender's writes may still land in the blocks: freed once it is quiet
-                self._held[request_id] = True
+        held = self.nixl_receiver.hold(request_id) if self.nixl_receiver is not None else None
+        if held is not None:  # a NIXL block sender's writes may still land in the blocks: freed once it is quiet
+            with self._lock:  # (under a key of their own: a retry of the request may reserve blocks again)
+                self._held[held] = True
+            try:
+                self.loop.call(lambda e: e.hold_kv(request_id, held), timeout_s=10.0)
+            except StreamClosed:
+                pass
             return True
         try:
             return self.loop.call(lambda e: e.abort(request_id), timeout_s=10.0) or reservation is not None
@@ -558,13 +563,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     def _free_held(self) -> None:
         with self._lock:
             held = list(self._held)
-        for rid in held:
-            if self.nixl_receiver.writing(rid):
+        for key in held:
+            if self.nixl_receiver.writing(key):
                 continue
             with self._lock:
-                del self._held[rid]
+                del self._held[key]
             try:
-                self.loop.call(lambda e, rid=rid: e.abort(rid), timeout_s=10.0)
+                self.loop.call(lambda e, key=key: e.release_kv(key), timeout_s=10.0)
             except StreamClosed:
                 return
 

@@ -47,22 +47,59 @@ def test_killed_decode_worker_mid_stream_costs_a_migration_not_a_failure(cluster
     assert json.loads(out)["migrations"] == 0
 
 
+LONG_PROMPT = [(7 * i) % 4000 + 4 for i in range(1500)]  # ~100 engine steps of 16 tokens on the prefill worker
+PREFILL_KILL_ARGS = ("--prefill", "2", "--worker-arg=--kv-cache-memory=6e7", "--worker-arg=--heartbeat-ttl-s=3",
+                     "--prefill-arg=--prefill-chunk-size=16", "--prefill-arg=--max-num-batched-tokens=16")
+
+
 @pytest.fixture(scope="module")
 def two_prefill_cluster(model_dir, tmp_path_factory):
-    with pdserve_up("--model", model_dir, "--prefill", "2", "--log-dir",
-                    str(tmp_path_factory.mktemp("prefill-kill-logs")), "--worker-arg=--kv-cache-memory=6e7",
-                    "--worker-arg=--heartbeat-ttl-s=3", "--prefill-arg=--prefill-chunk-size=16",
-                    "--prefill-arg=--max-num-batched-tokens=16") as info:
+    with pdserve_up("--model", model_dir, "--log-dir", str(tmp_path_factory.mktemp("prefill-kill-logs")),
+                    *PREFILL_KILL_ARGS) as info:  # fmt: skip
         yield info
 
 
 def test_killed_prefill_worker_mid_prefill_is_retried_on_the_other(two_prefill_cluster, model_dir, hf_reference):
+    kill_the_busy_prefill_worker(two_prefill_cluster, model_dir, hf_reference)
+
+
+def test_killed_prefill_worker_mid_nixl_block_transfer_is_retried_and_its_blocks_come_back(model_dir, hf_reference,
+                                                                                          tmp_path_factory):
+    """KV by NIXL block writes: the killed worker had claimed the decode worker's reserved blocks, which stay held
+    (it might still write) until the grant ends (lease + 10 s), then come back; the retry succeeds meanwhile."""
+    import time
+
+    from common.kv_transfer import nixl
+    from tests.services.probe import metric, wait_for, workers
+
+    if nixl.nixl_api() is None:
+        pytest.skip(nixl.unavailable_reason())
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # the workers' UCX on the loopback device only
+    with pdserve_up("--model", model_dir, "--log-dir", str(tmp_path_factory.mktemp("prefill-kill-nixl-logs")),
+                    *PREFILL_KILL_ARGS, "--prefill-arg=--kv-transport=nixl", "--decode-arg=--kv-nixl",
+                    "--router-arg=--kv-lease-s=10") as c:  # fmt: skip
+        started = time.monotonic()
+        kill_the_busy_prefill_worker(c, model_dir, hf_reference)
+        retried_s = time.monotonic() - started
+        (decode,) = [w for w in workers(c["redis"]).values() if w.role == "decode"]
+
+        def blocks_used() -> float:
+            return metric(decode.metrics_address, "pdserve:kv_cache_blocks_used")
+
+        # the retry's blocks go as it ends; the killed sender's claimed ones stay until the grant's end
+        held = -(-len(LONG_PROMPT) // 16)  # the first reservation's blocks (block size 16)
+        assert wait_for(lambda: blocks_used() == held, 5, "only the held reservation's blocks left"), retried_s
+        wait_for(lambda: blocks_used() == 0, 45, "the held blocks freed")
+        assert time.monotonic() - started > 10.0  # not before the lease of 10 s (+ the grace)
+
+
+def kill_the_busy_prefill_worker(c: dict, model_dir, hf_reference) -> None:
+    """SIGKILL the prefill worker computing a long prompt mid-prefill: the router retries it on the other one."""
     import time
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    c = two_prefill_cluster
     workers = json.loads(pdserve("status", "--json", "--redis-url", c["redis"]).stdout)["workers"]
     prefills = [w for w in workers if w["role"] == "prefill"]
 
@@ -71,7 +108,7 @@ def test_killed_prefill_worker_mid_prefill_is_retried_on_the_other(two_prefill_c
         return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
                     if s.name == "pdserve:num_requests_running")
 
-    prompt = [(7 * i) % 4000 + 4 for i in range(1500)]  # ~100 engine steps of 16 tokens on the prefill worker
+    prompt = LONG_PROMPT
     outcome: dict = {}
     with Client(c["router"], timeout_s=120) as client:
         thread = threading.Thread(target=lambda: outcome.update(

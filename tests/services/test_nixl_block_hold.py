@@ -49,7 +49,7 @@ def num_reservations(loop: EngineLoop) -> int:
     return loop.call(lambda e: len(e.reservations))
 
 
-def claim_one_layer(servicer, receiver, sender, request_id: str, lease_s: float) -> None:
+def claim_one_layer(servicer, receiver, sender, request_id: str, lease_s: float) -> list[int]:
     reply = servicer.ReserveKv(worker_pb2.ReserveKvRequest(request_id=request_id, num_tokens=40,
                                                            lease_seconds=lease_s), _Context())  # fmt: skip
     assert reply.kv_nixl_metadata == receiver.metadata and len(reply.kv_block_ids) == reply.num_blocks
@@ -59,6 +59,7 @@ def claim_one_layer(servicer, receiver, sender, request_id: str, lease_s: float)
     while not receiver.writing(request_id) and time.monotonic() < until:
         time.sleep(0.01)
     assert receiver.writing(request_id)  # granted
+    return list(reply.kv_block_ids)
 
 
 def test_released_blocks_wait_for_the_sender_s_quiet(decode):
@@ -76,12 +77,17 @@ def test_released_blocks_wait_for_the_sender_s_quiet(decode):
 def test_a_silent_sender_holds_them_until_its_grant_ends(decode, monkeypatch):
     loop, servicer, receiver, sender = decode
     monkeypatch.setattr(nixl_landing, "GRANT_GRACE_S", 1.0)
-    claim_one_layer(servicer, receiver, sender, "req-S", lease_s=1.0)
+    held_blocks = claim_one_layer(servicer, receiver, sender, "req-S", lease_s=1.0)
     monkeypatch.setattr(sender, "_send", lambda msg: None)  # no quiet will come
     reserved_at = time.monotonic()
     assert servicer.release("req-S")
     servicer.expire_leases()
     assert num_reservations(loop) == 1  # held: the sender may still write
+    retry = servicer.ReserveKv(worker_pb2.ReserveKvRequest(request_id="req-S", num_tokens=40), _Context())
+    assert set(retry.kv_block_ids).isdisjoint(held_blocks)  # a retry of the request gets blocks of its own
+    assert num_reservations(loop) == 2
+    assert servicer.release("req-S")  # (nobody claimed the retry's blocks: freed at once)
+    assert num_reservations(loop) == 1
     while num_reservations(loop) and time.monotonic() < reserved_at + 10.0:
         servicer.expire_leases()
         time.sleep(0.05)

@@ -125,6 +125,18 @@ def test_reservation_errors_are_clear_and_leak_nothing(engine):
     assert engine.block_pool.num_used_blocks == 0
 
 
+def test_a_held_reservation_keeps_its_blocks_under_its_key_and_frees_the_request_id(engine):
+    blocks = engine.reserve_kv("r1", 40, lease_s=10)
+    assert engine.hold_kv("r1", "r1#held-1")  # (a NIXL block sender may still write them)
+    again = engine.reserve_kv("r1", 40, lease_s=10)  # the retry of the request
+    assert set(again).isdisjoint(blocks) and engine.block_pool.num_used_blocks == 6
+    with pytest.raises(ValueError, match="'r1#held-1' already has a KV reservation"):
+        engine.hold_kv("r1", "r1#held-1")
+    assert engine.release_kv("r1#held-1") and engine.block_pool.num_used_blocks == 3
+    assert not engine.hold_kv("r9", "r9#held-1")
+    assert engine.release_kv("r1") and engine.block_pool.num_used_blocks == 0
+
+
 def test_text_continues_across_the_handoff_without_repeats(model_dir):
     """Sender reports the first token and its text; the receiver (report_imported=False) the rest."""
     prompts = ["The class statement", "def f(x):\n    return", "héllo wörld 日本語"]
