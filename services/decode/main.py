@@ -60,7 +60,7 @@ def make_parts(config: WorkerConfig):
             stats = loop.stats
             return {"kv_cache_usage": round(stats.kv_blocks_used / max(1, stats.kv_blocks_total), 4),
                     "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total,
-                    "kv_reservations": servicer.num_reservations}
+                    "kv_reservations": servicer.num_reservations, "kv_reservations_held": servicer.num_held}
 
         return WorkerParts(
             add_to_server=lambda server: add_to_server(servicer, server),

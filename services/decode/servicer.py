@@ -574,6 +574,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 return
 
     @property
+    def num_held(self) -> int:
+        """Released reservations whose blocks wait until a NIXL block sender can no longer write them."""
+        return len(self._held)
+
+    @property
     def num_reservations(self) -> int:
         return len(self._reservations)
 

@@ -82,7 +82,7 @@ def test_a_silent_sender_holds_them_until_its_grant_ends(decode, monkeypatch):
     reserved_at = time.monotonic()
     assert servicer.release("req-S")
     servicer.expire_leases()
-    assert num_reservations(loop) == 1  # held: the sender may still write
+    assert num_reservations(loop) == 1 and servicer.num_held == 1  # held: the sender may still write
     retry = servicer.ReserveKv(worker_pb2.ReserveKvRequest(request_id="req-S", num_tokens=40), _Context())
     assert set(retry.kv_block_ids).isdisjoint(held_blocks)  # a retry of the request gets blocks of its own
     assert num_reservations(loop) == 2
@@ -91,5 +91,5 @@ def test_a_silent_sender_holds_them_until_its_grant_ends(decode, monkeypatch):
     while num_reservations(loop) and time.monotonic() < reserved_at + 10.0:
         servicer.expire_leases()
         time.sleep(0.05)
-    assert num_reservations(loop) == 0
+    assert num_reservations(loop) == 0 and servicer.num_held == 0
     assert time.monotonic() - reserved_at > 1.0  # not before the reservation's deadline + the grace (2 s from it)
