@@ -15,6 +15,7 @@ core here, where zlib's crc32 does 1.8.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -84,6 +85,16 @@ class CacheRegion:
     @classmethod
     def from_json(cls, value: dict) -> CacheRegion:
         return cls(int(value["addr"]), int(value["num_blocks"]), str(value["mem_type"]), int(value["dev_id"]))
+
+
+def side_stream(cache: PagedKVCache) -> torch.cuda.Stream | None:
+    """A CUDA stream of its own for a transport thread's checksums of a CUDA cache (None on the CPU): on the
+    engine's stream they would wait behind the layers it computes meanwhile."""
+    return torch.cuda.Stream(device=cache.data.device) if cache.data.is_cuda else None
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def runs(block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -48,7 +48,7 @@ import torch
 
 from common.engine.kv_cache import PagedKVCache
 from common.engine.omp_teams import run_serially
-from common.kv_transfer.blocks import CacheLayout, CacheRegion, layer_checksum, write_descs
+from common.kv_transfer.blocks import CacheLayout, CacheRegion, layer_checksum, on_stream, side_stream, write_descs
 from common.kv_transfer.connector import TransferResult, TransferState
 from common.kv_transfer.nixl import _AWAIT_POLL_S, _IDLE_POLL_S, _POLL_S, _new_agent
 from common.kv_transfer.slots import _Transfer, encode
@@ -82,7 +82,7 @@ class _Outgoing(_Transfer):
     num_layers: int
     claim_sent_s: float
     write_until_s: float | None = None  # set by the grant (this process's clock)
-    waiting: list[tuple[int, np.ndarray]] = field(default_factory=list)  # layers computed, not yet posted
+    waiting: list[tuple[int, np.ndarray, object]] = field(default_factory=list)  # layers computed, not posted
     sums: dict[int, int] = field(default_factory=dict)  # layer -> checksum, of the layers posted
     handles: list = field(default_factory=list)  # posted WRITEs not yet complete
     descs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # source ids, layer 0's local and remote descs
@@ -190,7 +190,9 @@ class NixlBlockSender:
         self._transfers: dict[str, _Outgoing] = {}
         self._broken = ""
         self._closed = False
-        self._layers: queue.SimpleQueue[tuple[str, int, np.ndarray]] = queue.SimpleQueue()  # from the engine
+        # from the engine: (request, layer, block ids, on CUDA the event recorded after the layer's kernels)
+        self._layers: queue.SimpleQueue[tuple[str, int, np.ndarray, torch.cuda.Event | None]] = queue.SimpleQueue()
+        self._stream = side_stream(self._cache)  # the checksums' (CUDA)
         self._wake = threading.Event()
         self.receiver = None
         self._loaded = self._attached = False
@@ -260,8 +262,14 @@ class NixlBlockSender:
     def send_blocks(self, request_id: str, layer: int, src_block_ids: list[int]) -> None:
         """Queue layer ``layer`` of ``request_id``, held in blocks ``src_block_ids`` of this side's cache (which must
         not change until :meth:`finish` returns). Called by the engine thread as the layer is computed; never
-        blocks; dropped for a request not claimed or already ended."""
-        self._layers.put((request_id, layer, np.asarray(src_block_ids, np.int64)))
+        blocks; dropped for a request not claimed or already ended. On CUDA the layer's kernels may not have run
+        yet: an event recorded here on the caller's stream is waited for before the blocks are read (a NIXL
+        write goes around CUDA's streams)."""
+        ready = None
+        if self._cache.data.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._layers.put((request_id, layer, np.asarray(src_block_ids, np.int64), ready))
         self._wake.set()
 
     def finish(self, request_id: str, timeout_s: float) -> TransferResult:
@@ -353,10 +361,10 @@ class NixlBlockSender:
         while True:
             while True:
                 try:
-                    request_id, layer, src = self._layers.get_nowait()
+                    request_id, layer, src, ready = self._layers.get_nowait()
                 except queue.Empty:
                     break
-                self._take_layer(request_id, layer, src)
+                self._take_layer(request_id, layer, src, ready)
             for msg in self._endpoint.notes(self.receiver):
                 self._on_note(msg)
             self._post_waiting()
@@ -371,19 +379,19 @@ class NixlBlockSender:
             self._wake.wait(poll_s)
             self._wake.clear()
 
-    def _take_layer(self, request_id: str, layer: int, src: np.ndarray) -> None:
+    def _take_layer(self, request_id: str, layer: int, src: np.ndarray, ready: torch.cuda.Event | None) -> None:
         with self._cond:
             transfer = self._transfers.get(request_id)
             if transfer is None or transfer.state.is_terminal:
                 return
-            taken = layer in transfer.sums or any(layer == w for w, _ in transfer.waiting)
+            taken = layer in transfer.sums or any(layer == w for w, _, _ in transfer.waiting)
             if len(src) != len(transfer.dst_ids) or not 0 <= layer < transfer.num_layers or taken:
                 error = (f"layer {layer} of {len(src)} blocks does not fit the claim ({transfer.num_layers} layers of "
                          f"{len(transfer.dst_ids)} blocks, each once)")  # fmt: skip
                 transfer.end(TransferState.FAILED, error)
                 self._cond.notify_all()
                 return
-            transfer.waiting.append((layer, src))
+            transfer.waiting.append((layer, src, ready))
 
     def _post_waiting(self) -> None:
         """Post the layers waiting in granted requests: one WRITE per request for all of its layers computed since
@@ -396,15 +404,19 @@ class NixlBlockSender:
                 layers, transfer.waiting = transfer.waiting, []
             self._post(request_id, transfer, layers)
 
-    def _post(self, request_id: str, transfer: _Outgoing, layers: list[tuple[int, np.ndarray]]) -> None:
+    def _post(self, request_id: str, transfer: _Outgoing,
+              layers: list[tuple[int, np.ndarray, torch.cuda.Event | None]]) -> None:  # fmt: skip
         """Checksums, then one WRITE of the layers' runs, whose note NIXL delivers after the bytes."""
         if time.monotonic() >= transfer.write_until_s:
             self._fail(request_id, f"the decode worker's KV deadline for request {request_id!r} passed before layer "
                                    f"{layers[0][0]} was sent")  # fmt: skip
             return
         sums, local, remote = [], [], []
-        for layer, src in layers:
-            sums.append(layer_checksum(self._cache, layer, src))
+        for layer, src, ready in layers:
+            if ready is not None:
+                ready.synchronize()  # the layer's KV is in the cache
+            with on_stream(self._stream):
+                sums.append(layer_checksum(self._cache, layer, src))
             if self.corrupt_next_layer:  # TEST ONLY fault injection
                 self.corrupt_next_layer = False
                 first = self._cache.data[layer, 0, 0, int(src[0])].reshape(-1)[:1].view(torch.uint8)  # [elem bytes]
@@ -415,7 +427,7 @@ class NixlBlockSender:
             local[-1][:, 0] += np.uint64(layer * self.layout.layer_stride_bytes(self.region.num_blocks))
             remote.append(transfer.descs[2].copy())
             remote[-1][:, 0] += np.uint64(layer * self.layout.layer_stride_bytes(self.remote.num_blocks))
-        numbers = [layer for layer, _ in layers]
+        numbers = [layer for layer, _, _ in layers]
         note = encode({"op": "layers", "request_id": request_id, "layers": numbers, "sums": sums})
         try:
             with self._lock:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.engine.kv_cache import PagedKVCache
-from common.kv_transfer.blocks import CacheLayout, CacheRegion, layer_checksum
+from common.kv_transfer.blocks import CacheLayout, CacheRegion, layer_checksum, on_stream, side_stream
 from common.kv_transfer.connector import TransferState
 from common.kv_transfer.slots import encode, failed_msg
 
@@ -40,6 +40,7 @@ class BlockLanding:
         self.cache = kv_cache
         self.layout = CacheLayout.of(kv_cache)
         self.region = CacheRegion.of(kv_cache)
+        self._stream = side_stream(kv_cache)  # the checksums' (CUDA): not behind the engine's decode steps
         with receiver._nixl_lock:
             self.registered = receiver._agent.register_memory(kv_cache.data)
         self._lock = threading.Lock()
@@ -135,7 +136,9 @@ class BlockLanding:
                 error = f"KV of request {request_id!r}: layer {layer} written twice or out of range"
                 receiver._end(request_id, entry, TransferState.FAILED, error)
                 return
-            if layer_checksum(self.cache, layer, offered) != checksum:
+            with on_stream(self._stream):
+                landed = layer_checksum(self.cache, layer, offered)
+            if landed != checksum:
                 error = f"KV of request {request_id!r}: checksum mismatch in layer {layer} after its NIXL write"
                 receiver._end(request_id, entry, TransferState.FAILED, error)
                 return

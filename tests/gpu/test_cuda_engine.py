@@ -6,7 +6,9 @@
 - fp32: logits to 1e-4 and greedy output token for token equal to stock ``generate``;
 - the disaggregated path: a prefill engine streams each layer's KV through the wire format (staged in pinned host
   memory) into a decode engine's reserved blocks; the result equals one engine's output exactly;
-- the staging itself: CUDA KV lands in pinned host memory, bit-exact, in a buffer of its own per call.
+- the staging itself: CUDA KV lands in pinned host memory, bit-exact, in a buffer of its own per call;
+- NIXL block writes from one CUDA cache into another (VRAM registered with NIXL), each layer read only after the
+  kernels that wrote it ran (where NIXL is installed).
 """
 
 from __future__ import annotations
@@ -214,3 +216,33 @@ def test_prompts_of_one_step_through_the_varlen_kernel(model_dir):
     alone = [engine.generate([p], SamplingParams(max_new_tokens=16, **GREEDY))[0].token_ids for p in prompts]
     agree = sum(next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(together, alone))
     assert agree >= 0.8 * 16 * len(prompts), (agree, together, alone)
+
+
+@pytest.mark.gpu
+def test_nixl_block_writes_move_cuda_blocks_once_their_kernels_ran():
+    from common.engine.kv_cache import KVCacheSpec, PagedKVCache
+    from common.kv_transfer import nixl, nixl_blocks
+
+    if nixl.nixl_api() is None:
+        pytest.skip(nixl.unavailable_reason())
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    src, dst = PagedKVCache(spec, 64, device=CUDA), PagedKVCache(spec, 64, device=CUDA)
+    receiver = nixl.NixlKVReceiver(kv_cache=dst)
+    sender = nixl_blocks.NixlBlockSender(receiver.metadata, src)
+    src_ids, dst_ids = [3, 4, 5, 9], [10, 11, 30, 31]
+    try:
+        receiver.expect("req", spec.num_layers, len(dst_ids), spec, lambda *args: None, deadline_s=60.0)
+        assert receiver.offer_blocks("req", dst_ids)
+        sender.claim("req", dst_ids, spec.num_layers)
+        big = torch.randn(4096, 4096, device=CUDA)
+        for layer in range(spec.num_layers):
+            for _ in range(4):
+                big = big @ big / 64  # the stream is busy: the layer's KV below is written late
+            src.data[layer, :, :, src_ids] = torch.randn(2, 2, len(src_ids), 16, 64, device=CUDA, dtype=spec.dtype)
+            sender.send_blocks("req", layer, src_ids)  # as the engine does, right after queueing the layer
+        assert sender.finish("req", timeout_s=60.0).ok and receiver.wait("req", timeout_s=5.0).ok
+        landed, sent = dst.data[:, :, :, dst_ids], src.data[:, :, :, src_ids]
+        assert torch.equal(landed.view(torch.int16), sent.view(torch.int16))
+    finally:
+        sender.close()
+        receiver.close()
