@@ -117,16 +117,26 @@ def bench_blocks(total_mib: int = 256, num_rounds: int = 5, fragmented: bool = F
             for layer in range(spec.num_layers):
                 sender.send_blocks(f"bench-{i}", layer, src_ids)
             result = sender.finish(f"bench-{i}", timeout_s=120.0)
-            seconds = time.perf_counter() - start
-            rates.append(num_bytes / seconds / 1e9)
-            ok, n, receiver_s, error, crc = parent.recv()
-            status = "ok" if result.ok and ok else result.error or error
-            print(f"  round {i}: {status}; sender {num_bytes / seconds / 1e9:.2f} GB/s (claim -> finish),"
-                  f" receiver {n / receiver_s / 1e9:.2f} GB/s (expect -> done), bit-exact {crc == expected_crc}")
+            rates.append(_report(i, "claim", num_bytes, time.perf_counter() - start, result, parent.recv(),
+                                 expected_crc))  # fmt: skip
         sender.close()
-        print(f"median {sorted(rates[1:] or rates)[len(rates[1:] or rates) // 2]:.2f} GB/s (warm rounds)")
+        _print_median(rates)
     finally:
         proc.join(10)
+
+
+def _report(i: int, started_by: str, num_bytes: int, seconds: float, result, reply: tuple, expected_crc: int) -> float:
+    """Print one round (the sender's result, the receiver's ``reply``); its rate in GB/s, the sender's view."""
+    ok, n, receiver_s, error, crc = reply
+    status = "ok" if result.ok and ok else result.error or error
+    print(f"  round {i}: {status}; sender {num_bytes / seconds / 1e9:.2f} GB/s ({started_by} -> finish),"
+          f" receiver {n / receiver_s / 1e9:.2f} GB/s (expect -> done), bit-exact {crc == expected_crc}")
+    return num_bytes / seconds / 1e9
+
+
+def _print_median(rates: list[float]) -> None:
+    warm = rates[1:] or rates
+    print(f"median {sorted(warm)[len(warm) // 2]:.2f} GB/s (warm rounds)")
 
 
 def _spec(total_mib: int) -> tuple[KVCacheSpec, int]:
@@ -179,14 +189,10 @@ def bench(total_mib: int = 256, max_chunk_mib: int = 4, arena_mib: int = 64, num
             for layer in range(num_layers):
                 sender.send_layer(f"bench-{i}", layer, layers[layer, 0], layers[layer, 1])
             result = sender.finish(f"bench-{i}", timeout_s=120.0)
-            seconds = time.perf_counter() - start
-            rates.append(num_bytes / seconds / 1e9)
-            ok, n, receiver_s, error, crc = parent.recv()
-            status = "ok" if result.ok and ok else result.error or error
-            print(f"  round {i}: {status}; sender {num_bytes / seconds / 1e9:.2f} GB/s (first send_layer -> finish),"
-                  f" receiver {n / receiver_s / 1e9:.2f} GB/s (expect -> done), bit-exact {crc == expected_crc}")
+            rates.append(_report(i, "first send_layer", num_bytes, time.perf_counter() - start, result,
+                                 parent.recv(), expected_crc))  # fmt: skip
         sender.close()
-        print(f"median {sorted(rates[1:] or rates)[len(rates[1:] or rates) // 2]:.2f} GB/s (warm rounds)")
+        _print_median(rates)
     finally:
         proc.join(10)
         shutil.rmtree(os.path.dirname(address), ignore_errors=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ class CacheLayout:
 
     @classmethod
     def from_json(cls, value: dict) -> CacheLayout:
-        return cls(**{name: int(value[name]) for name in asdict(cls(0, 0, 0, 0, 0))})
+        return cls(**{f.name: int(value[f.name]) for f in fields(cls)})
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -52,12 +52,9 @@ class CacheLayout:
         """Bytes of one head's K (or V) in one block of one layer."""
         return self.block_size * self.head_dim * self.elem_bytes
 
-    def layer_stride_bytes(self, num_blocks: int) -> int:
-        """Bytes from one layer to the next in a cache of ``num_blocks`` blocks."""
-        return 2 * self.num_kv_heads * num_blocks * self.run_bytes
-
     def layer_bytes(self, num_blocks: int) -> int:
-        """Bytes of one layer's K and V in ``num_blocks`` blocks."""
+        """Bytes of one layer's K and V in ``num_blocks`` blocks (in a cache of ``num_blocks`` blocks: the stride
+        from one layer to the next)."""
         return 2 * self.num_kv_heads * num_blocks * self.run_bytes
 
 

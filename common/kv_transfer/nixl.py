@@ -498,20 +498,19 @@ class NixlKVReceiver(SlotReceiver):
 
     def _hello_blocks(self, peer: _NixlPeer, note: dict) -> None:
         if note.get("version") != WIRE_VERSION:
-            reply = encode({"op": "error", "error": f"sender speaks wire version {note.get('version')}, this "
-                            f"receiver {WIRE_VERSION}"})  # fmt: skip
+            error = f"sender speaks wire version {note.get('version')}, this receiver {WIRE_VERSION}"
         elif self.blocks is None:
-            reply = encode({"op": "error", "error": "this KV receiver takes no direct block writes"})
+            error = "this KV receiver takes no direct block writes"
         else:
-            reply = self.blocks.hello(note)
-        if json.loads(reply)["op"] == "error":
-            peer.send(reply)
-            self._drop(peer, json.loads(reply)["error"])
+            error = self.blocks.refusal(note)
+        if error:
+            peer.send(encode({"op": "error", "error": error}))
+            self._drop(peer, error)
             return
         peer.blocks = True
         with self._nixl_lock:  # with the cache's registration
             metadata = self._agent.get_agent_metadata()
-        peer.send(reply + b"\n" + metadata)
+        peer.send(encode({"op": "blocks", "region": self.blocks.region.to_json()}) + b"\n" + metadata)
 
     def _drop(self, peer: _NixlPeer, why: str, *, said_bye: bool = False) -> None:
         if self._peers.get(peer.name) is peer:

@@ -424,9 +424,9 @@ class NixlBlockSender:
             if transfer.descs is None or not np.array_equal(transfer.descs[0], src):  # the same for every layer
                 transfer.descs = (src, *write_descs(self.layout, 0, self.region, src, self.remote, transfer.dst_ids))
             local.append(transfer.descs[1].copy())
-            local[-1][:, 0] += np.uint64(layer * self.layout.layer_stride_bytes(self.region.num_blocks))
+            local[-1][:, 0] += np.uint64(layer * self.layout.layer_bytes(self.region.num_blocks))
             remote.append(transfer.descs[2].copy())
-            remote[-1][:, 0] += np.uint64(layer * self.layout.layer_stride_bytes(self.remote.num_blocks))
+            remote[-1][:, 0] += np.uint64(layer * self.layout.layer_bytes(self.remote.num_blocks))
         numbers = [layer for layer, _, _ in layers]
         note = encode({"op": "layers", "request_id": request_id, "layers": numbers, "sums": sums})
         try:

@@ -76,15 +76,13 @@ class BlockLanding:
 
     # -- for the receiver's I/O thread ----------------------------------------------------------------------------
 
-    def hello(self, note: dict) -> bytes:
-        """The answer to a sender's ``hello`` in mode blocks: where the cache lies, or why not."""
+    def refusal(self, note: dict) -> str:
+        """Why a sender's ``hello`` in mode blocks cannot be served ('' when its layout is this cache's)."""
         try:
             theirs = CacheLayout.from_json(note["layout"])
         except (KeyError, TypeError, ValueError) as e:
-            return encode({"op": "error", "error": f"bad layout in hello: {e!r}"})
-        if theirs != self.layout:
-            return encode({"op": "error", "error": f"sender's cache layout {theirs} differs from {self.layout}"})
-        return encode({"op": "blocks", "region": self.region.to_json()})
+            return f"bad layout in hello: {e!r}"
+        return "" if theirs == self.layout else f"sender's cache layout {theirs} differs from {self.layout}"
 
     def on_claim(self, peer, request_id: str, block_ids: list[int]) -> None:
         receiver = self.receiver
