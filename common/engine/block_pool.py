@@ -4,18 +4,39 @@ The pool owns no tensors (see :mod:`common.engine.kv_cache`); it only decides wh
 whom. Invariants: a block is free (never used, or in the free queue) exactly when its ref count is 0; a named
 block (see :mod:`common.engine.prefix_cache`) holds the KV its name describes, and no two blocks share a name.
 
-:meth:`allocate` takes never-used blocks first, then from the head of the free queue (least recently
-freed first), so a freed block keeps its KV (and name) as long as possible: a later request with the same
-prefix finds it with :meth:`lookup` and takes it back with :meth:`share` instead of computing it again. A
-block in use is never handed out, so never evicted; :meth:`expire_cached` drops the names of blocks freed
-too long ago (a TTL).
+A freed block keeps its KV (and name) as long as possible: a later request with the same prefix finds it with
+:meth:`lookup` and takes it back with :meth:`share` instead of computing it again. A block in use is never
+handed out, so never evicted; :meth:`expire_cached` drops the names of blocks freed too long ago (a TTL).
+Which free blocks :meth:`allocate` hands out is the pool's *placement*:
+
+- ``"lru"`` (the default): never-used blocks first, then the head of the free queue (least recently freed first). Under
+  churn a request's blocks end up scattered: a decode step adds one block per sequence, and sequences free
+  theirs in any order (simulated in ``benchmarks/block_placement.py``: ~1.1 blocks per stretch of consecutive
+  ids in a busy decode worker's reservations).
+- ``"contiguous"``: a request of one block as ``"lru"``; of more, among the least recently freed half of the free
+  blocks (:data:`CONTIGUOUS_ELIGIBLE`; blocks holding no named KV count as the oldest), the ``n`` consecutive ones
+  whose most recently freed cached block was freed longest ago, or, when no ``n`` of them lie together, their
+  longest stretches. A request's KV then lies in a few long runs (one NIXL descriptor per run, layer and head:
+  see :mod:`common.kv_transfer.blocks`; ~10x fewer in the benchmark), at a price: some cached blocks go before
+  older ones, and a decode worker keeps less of the conversations that ended last (their blocks often form the
+  free stretches). Workers choose it where KV moves by NIXL block writes (``--kv-block-placement auto``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+
+import numpy as np
+
+PLACEMENTS = ("contiguous", "lru")
+# Contiguous placement takes blocks only from this share of the free ones, the least recently freed first (blocks
+# holding no named KV count as freed longest ago). The most recently ended sequences free long stretches, which it
+# would take first otherwise, losing a decode worker's latest sessions (benchmarks/block_placement.py: of the last 8
+# ended conversations, 0.53 of the KV kept at 1.0, 0.73 at 0.5, 0.88 under lru; ~10x, ~7x fewer NIXL descriptors)
+CONTIGUOUS_ELIGIBLE = 0.5
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -23,17 +44,26 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, placement: str = "lru") -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         self.num_blocks = num_blocks
+        self.placement = placement
         self._ref_counts = [0] * num_blocks
-        self._fresh: deque[int] = deque(range(num_blocks))  # never handed out: taken first, in id order
+        # never handed out: taken first, in id order (an OrderedDict: a contiguous request may take any of them)
+        self._fresh: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._free: OrderedDict[int, float] = OrderedDict()  # freed block -> monotonic time; head: oldest
         self._name_of: dict[int, bytes] = {}
         self._block_named: dict[bytes, int] = {}
         self._num_free_named = 0  # free blocks that still hold named KV (the cached prefixes)
         self._pinned: set[int] = set()  # named blocks the pool itself holds a reference to (warm-up)
+        # What handing a block out costs the prefix cache, for contiguous placement: inf in use, 0 free and holding
+        # no named KV, else the number of frees before its own (the least recently freed has the smallest)
+        self._cost = np.zeros(num_blocks)
+        self._num_frees = 0
+        self._scratch = (np.empty(num_blocks), np.empty(num_blocks))  # of _window_max
         # Called as on_evict(block_id, name) when a named free block is handed out, before its KV is
         # overwritten: the prefix cache's spill tiers copy it out (see common.engine.kv_tiers).
         self.on_evict: Callable[[int, bytes], None] | None = None
@@ -73,12 +103,22 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (ref count 1 each, their names dropped), in ascending id order (runs of
-        consecutive blocks make KV copies cheap); all or nothing."""
+        consecutive blocks make KV copies cheap); all or nothing. Which ones: see the module's docstring."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free_blocks:
             raise NoFreeBlocksError(f"asked for {n} KV blocks, {self.num_free_blocks} free of {self.num_blocks}")
-        blocks = [self._fresh.popleft() if self._fresh else self._free.popitem(last=False)[0] for _ in range(n)]
+        if n >= 2 and self.placement == "contiguous":
+            blocks = self._contiguous(n)
+            for b in blocks:
+                if b in self._fresh:
+                    del self._fresh[b]
+                else:
+                    del self._free[b]
+        else:
+            blocks = [self._fresh.popitem(last=False)[0] if self._fresh else self._free.popitem(last=False)[0]
+                      for _ in range(n)]  # fmt: skip
+        self._cost[blocks] = math.inf
         for b in blocks:
             self._ref_counts[b] = 1
             name = self._name_of.pop(b, None)
@@ -90,6 +130,29 @@ class BlockPool:
                 if self.name_events is not None:
                     self.name_events.append((name, False))
         blocks.sort()
+        return blocks
+
+    def _contiguous(self, n: int) -> list[int]:
+        """``n`` free block ids for contiguous placement (``n`` <= the free blocks)."""
+        cost = self._cost
+        eligible = max(n, math.ceil(CONTIGUOUS_ELIGIBLE * self.num_free_blocks))
+        if eligible < self.num_free_blocks:  # the more recently freed cached blocks are out of reach
+            newest = np.partition(cost, eligible - 1)[eligible - 1]
+            cost = np.where(cost <= newest, cost, math.inf)
+        window = _window_max(cost, n, self._scratch)
+        start = int(np.argmin(window)) if len(window) else 0
+        if len(window) and window[start] < math.inf:
+            return list(range(start, start + n))
+        # No n free blocks together: whole stretches of free blocks, the longest first (then the least recently
+        # freed), the last one cut short.
+        edges = np.flatnonzero(np.diff(cost < math.inf, prepend=False, append=False))
+        starts, ends = edges[0::2], edges[1::2]
+        newest = np.maximum.reduceat(np.append(cost, math.inf), edges)[0::2]
+        blocks: list[int] = []
+        for i in np.lexsort((newest, starts - ends)):
+            blocks.extend(range(int(starts[i]), min(int(ends[i]), int(starts[i]) + n - len(blocks))))
+            if len(blocks) == n:
+                break
         return blocks
 
     def incref(self, block_ids: Sequence[int]) -> None:
@@ -110,8 +173,11 @@ class BlockPool:
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
                 self._free[b] = time.monotonic()
+                self._num_frees += 1
+                self._cost[b] = 0.0
                 if b in self._name_of:
                     self._num_free_named += 1
+                    self._cost[b] = self._num_frees
 
     def expire_cached(self, max_idle_s: float) -> int:
         """Drop the names of cached blocks freed more than ``max_idle_s`` ago (their KV will not be reused);
@@ -125,6 +191,7 @@ class BlockPool:
             if name is not None:
                 del self._block_named[name]
                 self._num_free_named -= 1
+                self._cost[b] = 0.0
                 dropped += 1
                 if self.name_events is not None:
                     self.name_events.append((name, False))
@@ -173,4 +240,23 @@ class BlockPool:
             if self._ref_counts[b] == 0:
                 del self._free[b]
                 self._num_free_named -= 1
+                self._cost[b] = math.inf
             self._ref_counts[b] += 1
+
+
+
+def _window_max(values: np.ndarray, n: int, scratch: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """``out[i] = values[i : i + n].max()`` for every window of ``n`` in ``values`` (empty when ``n`` > its length),
+    in ``log2(n)`` passes of elementwise maxima: the maxima of windows of 1, 2, 4, ... p <= n, then two windows of p
+    cover one of n. ``scratch``: two arrays of ``len(values)``, which the result is a view of (no allocation: a
+    fresh array of a big pool costs page faults that dwarf the arithmetic)."""
+    size = len(values)
+    if n > size:
+        return values[:0]
+    src, p, turn = values, 1, 0
+    while 2 * p <= n:
+        m = size - 2 * p + 1
+        src = np.maximum(src[:m], src[p : p + m], out=scratch[turn][:m])
+        p, turn = 2 * p, 1 - turn
+    m = size - n + 1
+    return np.maximum(src[:m], src[n - p : n - p + m], out=scratch[turn][:m])

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.block_pool import PLACEMENTS
+
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30  # like vLLM's CPU backend default of 4 GiB
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
 
@@ -38,6 +40,7 @@ class EngineConfig:
     cuda_graphs: bool = False
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (see prefix_cache)
     prefix_cache_ttl_s: float | None = None  # forget cached blocks unused this long (None: only LRU eviction)
+    kv_block_placement: str = "lru"  # which free blocks a request gets: "lru" or "contiguous" (see block_pool)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -48,6 +51,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_block_placement not in PLACEMENTS:
+            raise ValueError(
+                f"kv_block_placement must be one of {', '.join(PLACEMENTS)}, got {self.kv_block_placement!r}"
+            )
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 (bytes, or a fraction <= 1), got {self.kv_cache_memory!r}")
 
@@ -66,6 +73,7 @@ class EngineConfig:
             prefix_caching=getattr(settings, "prefix_caching", True),
             prefix_cache_ttl_s=getattr(settings, "prefix_cache_ttl_s", None) or None,
             cuda_graphs=bool(getattr(settings, "cuda_graphs", False)),
+            kv_block_placement=getattr(settings, "kv_block_placement", "lru"),
         )
 
     @property

@@ -117,7 +117,7 @@ class LLMEngine(KVHandoffMixin):
         graphs = config.cuda_graphs and tp is None
         if config.cuda_graphs and not graphs:
             log.warning("cuda_graphs: off with tensor parallelism (the follower ranks replay no graphs)")
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, self.config.kv_block_placement)
         # with graphs, one block more than the pool hands out: where the padding rows of a graph step write
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks + graphs, self.device)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels,

@@ -60,11 +60,12 @@ def test_greedy_with_chunked_prefill(arch, tiny_model_dir, hf_reference):
     check_oracle(engine, hf_reference(d), make_prompts(engine.vocab_size))
 
 
+@pytest.mark.parametrize("placement", ["contiguous", "lru"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_with_preemption(arch, tiny_model_dir, hf_reference):
+def test_greedy_with_preemption(arch, placement, tiny_model_dir, hf_reference):
     d = tiny_model_dir(arch)
     # 24 blocks of 16 = 384 tokens for 16 prompts of up to 300 + 40 tokens: decodes must preempt.
-    engine = make_engine(d, num_kv_blocks=24, max_model_len=384)
+    engine = make_engine(d, num_kv_blocks=24, max_model_len=384, kv_block_placement=placement)
     results = check_oracle(engine, hf_reference(d), make_prompts(engine.vocab_size))
     assert sum(r.num_preemptions for r in results) > 0
 
