@@ -56,6 +56,14 @@ class WorkerConfig:
     prefix_cache_ttl_s: float = field(
         default=0.0, metadata=_help("forget cached prefix blocks (a session's KV) unused this long (0: LRU only)")
     )
+    kv_block_placement: str = field(
+        default="auto",
+        metadata={"help": "which free KV blocks a request gets: contiguous (stretches of consecutive blocks: fewer, "
+                          "longer NIXL block writes, but a decode worker keeps less of its recent sessions' KV), lru "
+                          "(the least recently freed), or auto (contiguous where KV moves by NIXL block writes, else "
+                          "lru)",
+                  "choices": ["auto", "contiguous", "lru"]},
+    )
     kv_host_cache_blocks: int = field(
         default=0, metadata=_help("prefix cache spill tier: evicted blocks kept in host memory (0: off)")
     )

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -78,12 +79,28 @@ class WorkerParts:
     use_asyncio: bool = False  # serve from build_server's asyncio server (the role has async handlers)
 
 
-def build_engine(config: WorkerConfig) -> LLMEngine:
+def block_placement(role: str, config: WorkerConfig) -> str:
+    """``--kv-block-placement`` with ``auto`` resolved: contiguous where the worker's KV moves by NIXL block writes
+    (a prefill worker with ``--kv-transport nixl``, a decode worker with ``--kv-nixl``; one process; not turned off
+    by ``PDSERVE_NIXL_BLOCKS=0``): there a request's blocks in few stretches mean few, long writes; else lru, which
+    keeps the most recent cached prefixes (a decode worker's sessions) longest."""
+    if config.kv_block_placement != "auto":
+        return config.kv_block_placement
+    nixl = {"prefill": config.kv_transport == "nixl", "decode": config.kv_nixl}.get(role, False)
+    if not nixl or config.tensor_parallel_size > 1:
+        return "lru"
+    from common.kv_transfer.nixl_blocks import blocks_enabled
+
+    return "contiguous" if blocks_enabled() else "lru"
+
+
+def build_engine(config: WorkerConfig, role: str = "") -> LLMEngine:
     """The worker's engine; with ``--tensor-parallel-size N`` > 1, rank 0 of N processes of this host (the N-1
     followers are spawned here; ``engine.close()`` stops them)."""
     if not config.model:
         raise ValueError("a worker needs --model (a local model directory)")
     check_tensor_parallel_settings(config)
+    config = dataclasses.replace(config, kv_block_placement=block_placement(role, config))
     load_kwargs = dict(dtype=config.dtype, allow_pickle=config.allow_pickle_weights,
                        quantization=config.quantization)
     if config.tensor_parallel_size > 1:
@@ -157,7 +174,7 @@ def serve_worker(
     tls = TlsFiles.from_config(config)  # None: plaintext gRPC
     if tls is not None:
         tls.load()  # before the model loads: a bad certificate or key fails fast (ValueError naming the file)
-    engine = build_engine(config)
+    engine = build_engine(config, role)
     loop: EngineLoop | None = None
     try:
         identity = ModelIdentity.of_engine(engine)
@@ -194,6 +211,7 @@ def serve_worker(
             stats = loop.stats
             redis_state = "ok" if heartbeater is not None and heartbeater.connected else "degraded"
             return {"role": role, "id": worker_id, "redis": redis_state,
+                    "kv_block_placement": engine.block_pool.placement,
                     "num_requests_running": stats.num_requests_running,
                     "num_requests_waiting": stats.num_requests_waiting, **(parts.details() if parts.details else {}),
                     **({"gpu": gpu.health()} if gpu is not None else {})}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.request
@@ -122,6 +123,10 @@ def test_nixl_transport(model_dir, hf_reference, monkeypatch, blocks):
         assert_three_prompts_as_stock(cluster, model_dir, hf_reference)
         metrics = urllib.request.urlopen(f"http://{cluster.metrics['prefill-0']}/metrics", timeout=5).read().decode()
         assert 'pdserve:kv_transfer_seconds_count{transport="nixl"} 3.0' in metrics
+        placement = "contiguous" if blocks == "1" else "lru"  # --kv-block-placement auto: contiguous for block writes
+        for worker in ("prefill-0", "decode-0"):
+            health = json.loads(urllib.request.urlopen(f"http://{cluster.metrics[worker]}/healthz", timeout=5).read())
+            assert health["kv_block_placement"] == placement, (worker, health)
         if blocks == "1":  # the decode worker counts what landed in its blocks: the payload, as prefill's sent
             decode = urllib.request.urlopen(f"http://{cluster.metrics['decode-0']}/metrics", timeout=5).read().decode()
             sent = re.search(r'pdserve:kv_transfer_bytes_total\{direction="sent"\} (\S+)', metrics).group(1)
