@@ -3,12 +3,13 @@ nixl``: common.kv_transfer.nixl, UCX between the two processes' agents, through 
 common.kv_transfer.nixl_blocks, from one KV cache's blocks straight into the other's).
 
     python benchmarks/kv_shm_throughput.py [--transport shm|nixl|nixl-blocks] [--total-mib 256] [--max-chunk-mib 4]
-                                           [--arena-mib 64] [--fragmented]
+                                           [--arena-mib 64] [--fragmented | --stretch K]
 
 Moves bf16 KV (32 layers, random bits: the transfer must be bit-exact) to a spawned receiver process several
 times and prints each round's rate and the median of the warm rounds (the last line: ``median X GB/s``).
-``--fragmented``: the blocks on both sides are scattered (no two consecutive), as in a long-running worker's cache;
-only the block transport cares.
+``--fragmented``: the blocks on both sides are scattered (no two consecutive), as in a long-running worker's cache
+under ``--kv-block-placement lru``; ``--stretch K``: in stretches of K consecutive blocks, scattered (what
+``benchmarks/block_placement.py`` reports for a busy worker). Only the block transport cares.
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ from common.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from common.kv_transfer.shm import ShmKVReceiver, ShmKVSender  # noqa: E402
 
 
-def _block_ids(num_blocks: int, fragmented: bool, seed: int) -> list[int]:
-    """Block ids of a request in a cache of ``2 * num_blocks + 1`` blocks: consecutive, or scattered."""
-    if not fragmented:
+def _block_ids(num_blocks: int, stretch: int, seed: int) -> list[int]:
+    """Block ids of a request in a cache of ``2 * num_blocks + 1`` blocks: consecutive (``stretch`` 0), or in
+    stretches of ``stretch`` consecutive blocks, one free block after each, the stretches in random order."""
+    if not stretch:
         return list(range(1, num_blocks + 1))
-    ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)) * 2 + 1
-    return ids.tolist()
+    num_stretches = -(-num_blocks // stretch)
+    order = torch.randperm(num_stretches, generator=torch.Generator().manual_seed(seed)).tolist()
+    ids = [slot * (stretch + 1) + 1 + i for slot in order for i in range(stretch)]
+    return [b for b in ids if b < 2 * num_blocks + 1][:num_blocks]
 
 
-def _bench_block_receiver(spec: KVCacheSpec, num_blocks: int, num_rounds: int, fragmented: bool, conn) -> None:
+def _bench_block_receiver(spec: KVCacheSpec, num_blocks: int, num_rounds: int, stretch: int, conn) -> None:
     """Child process: ``num_rounds`` requests written by NIXL into reserved blocks of its KV cache; report each."""
     from common.kv_transfer.nixl import NixlKVReceiver
 
@@ -43,7 +47,7 @@ def _bench_block_receiver(spec: KVCacheSpec, num_blocks: int, num_rounds: int, f
     cache = PagedKVCache(spec, 2 * num_blocks + 1)
     receiver = NixlKVReceiver(kv_cache=cache)
     conn.send(receiver.metadata)
-    block_ids = _block_ids(num_blocks, fragmented, seed=1)
+    block_ids = _block_ids(num_blocks, stretch, seed=1)
     for i in range(num_rounds):
         cache.data.zero_()
         receiver.expect(f"bench-{i}", spec.num_layers, num_blocks, spec, lambda *a: None, deadline_s=120.0)
@@ -83,7 +87,7 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
 
 
-def bench_blocks(total_mib: int = 256, num_rounds: int = 5, fragmented: bool = False) -> None:
+def bench_blocks(total_mib: int = 256, num_rounds: int = 5, stretch: int = 0) -> None:
     """Move ``total_mib`` of bf16 KV from one process's cache blocks into another's by NIXL block writes."""
     import multiprocessing
 
@@ -93,18 +97,18 @@ def bench_blocks(total_mib: int = 256, num_rounds: int = 5, fragmented: bool = F
     spec, num_blocks = _spec(total_mib)
     cache = PagedKVCache(spec, 2 * num_blocks + 1)
     cache.data.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, cache.data.shape, dtype=torch.int16))
-    src_ids = _block_ids(num_blocks, fragmented, seed=0)
+    src_ids = _block_ids(num_blocks, stretch, seed=0)
     expected_crc = _crc(cache.data[:, :, :, src_ids])
     num_bytes = cache.data[:, :, :, src_ids].numel() * cache.data.element_size()
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_bench_block_receiver, args=(spec, num_blocks, num_rounds, fragmented, child))
+    proc = ctx.Process(target=_bench_block_receiver, args=(spec, num_blocks, num_rounds, stretch, child))
     proc.start()
     try:
         if not parent.poll(60):
             raise RuntimeError("benchmark receiver did not start")
         sender = NixlBlockSender(parent.recv(), cache)
-        layout = "scattered" if fragmented else "consecutive"
+        layout = f"stretches of {stretch}" if stretch > 1 else "scattered" if stretch else "consecutive"
         print(f"nixl-blocks: moving {num_bytes / 2**20:.0f} MiB ({spec.num_layers} layers x {num_blocks} blocks, "
               f"bf16, {layout} blocks) cache to cache, {num_rounds} rounds")  # fmt: skip
         rates = []
@@ -206,9 +210,10 @@ if __name__ == "__main__":
     parser.add_argument("--max-chunk-mib", type=int, default=4)
     parser.add_argument("--arena-mib", type=int, default=64)
     parser.add_argument("--transport", choices=("shm", "nixl", "nixl-blocks"), default="shm")
-    parser.add_argument("--fragmented", action="store_true")
+    parser.add_argument("--fragmented", action="store_true", help="the same as --stretch 1")
+    parser.add_argument("--stretch", type=int, default=0, help="consecutive blocks per stretch (0: all)")
     args = parser.parse_args()
     if args.transport == "nixl-blocks":
-        bench_blocks(args.total_mib, fragmented=args.fragmented)
+        bench_blocks(args.total_mib, stretch=1 if args.fragmented else args.stretch)
     else:
         bench(args.total_mib, args.max_chunk_mib, args.arena_mib, transport=args.transport)

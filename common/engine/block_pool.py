@@ -13,13 +13,13 @@ Which free blocks :meth:`allocate` hands out is the pool's *placement*:
   churn a request's blocks end up scattered: a decode step adds one block per sequence, and sequences free
   theirs in any order (simulated in ``benchmarks/block_placement.py``: ~1.1 blocks per stretch of consecutive
   ids in a busy decode worker's reservations).
-- ``"contiguous"``: a request of one block as ``"lru"``; of more, among the least recently freed half of the free
-  blocks (:data:`CONTIGUOUS_ELIGIBLE`; blocks holding no named KV count as the oldest), the ``n`` consecutive ones
+- ``"contiguous"``: a request of one block as ``"lru"``; of more, among the least recently freed free blocks (about
+  a quarter of them, :data:`CONTIGUOUS_ELIGIBLE`, and every one holding no named KV), the ``n`` consecutive ones
   whose most recently freed cached block was freed longest ago, or, when no ``n`` of them lie together, their
   longest stretches. A request's KV then lies in a few long runs (one NIXL descriptor per run, layer and head:
-  see :mod:`common.kv_transfer.blocks`; ~10x fewer in the benchmark), at a price: some cached blocks go before
-  older ones, and a decode worker keeps less of the conversations that ended last (their blocks often form the
-  free stretches). Workers choose it where KV moves by NIXL block writes (``--kv-block-placement auto``).
+  see :mod:`common.kv_transfer.blocks`; 2-8x fewer in the benchmark), at a price: some cached blocks go before
+  older ones, and a decode worker keeps somewhat less of the conversations that ended last. Workers choose it
+  where KV moves by NIXL block writes (``--kv-block-placement auto``).
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 PLACEMENTS = ("contiguous", "lru")
-# Contiguous placement takes blocks only from this share of the free ones, the least recently freed first (blocks
-# holding no named KV count as freed longest ago). The most recently ended sequences free long stretches, which it
-# would take first otherwise, losing a decode worker's latest sessions (benchmarks/block_placement.py: of the last 8
-# ended conversations, 0.53 of the KV kept at 1.0, 0.73 at 0.5, 0.88 under lru; ~10x, ~7x fewer NIXL descriptors)
-CONTIGUOUS_ELIGIBLE = 0.5
+# Contiguous placement leaves alone the cached blocks freed by the last (1 - this) x (free blocks) frees, so that
+# roughly this share of the free blocks, the least recently freed (and those holding no named KV), is in its reach.
+# The sequences that ended last free long stretches, which it would take first otherwise: a decode worker would lose
+# its latest sessions' KV. benchmarks/block_placement.py (1,536 blocks, 24 streams): of the last 8 ended
+# conversations, the share of KV still cached is 0.53 at 1.0, 0.69 at 0.5, 0.79 at 0.25, 0.88 under lru; NIXL
+# descriptors per layer 9.2, 14.9, 19.8 and 118.8.
+CONTIGUOUS_ELIGIBLE = 0.25
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -64,6 +66,7 @@ class BlockPool:
         self._cost = np.zeros(num_blocks)
         self._num_frees = 0
         self._scratch = (np.empty(num_blocks), np.empty(num_blocks))  # of _window_max
+        self._masked = np.empty(num_blocks)  # _cost with the blocks out of reach of contiguous placement at inf
         # Called as on_evict(block_id, name) when a named free block is handed out, before its KV is
         # overwritten: the prefix cache's spill tiers copy it out (see common.engine.kv_tiers).
         self.on_evict: Callable[[int, bytes], None] | None = None
@@ -134,22 +137,31 @@ class BlockPool:
 
     def _contiguous(self, n: int) -> list[int]:
         """``n`` free block ids for contiguous placement (``n`` <= the free blocks)."""
+        free = self.num_free_blocks
+        # Out of reach: cached blocks freed by the last `recent` frees (at most that many blocks, and never so many
+        # that fewer than n are left); O(1) where a count of the newest share would need a sort.
+        recent = min(math.ceil((1 - CONTIGUOUS_ELIGIBLE) * free), free - n)
         cost = self._cost
-        eligible = max(n, math.ceil(CONTIGUOUS_ELIGIBLE * self.num_free_blocks))
-        if eligible < self.num_free_blocks:  # the more recently freed cached blocks are out of reach
-            newest = np.partition(cost, eligible - 1)[eligible - 1]
-            cost = np.where(cost <= newest, cost, math.inf)
+        if recent > 0:
+            cost = self._masked
+            np.copyto(cost, self._cost)
+            np.putmask(cost, cost > max(self._num_frees - recent, 0), math.inf)
         window = _window_max(cost, n, self._scratch)
         start = int(np.argmin(window)) if len(window) else 0
         if len(window) and window[start] < math.inf:
             return list(range(start, start + n))
-        # No n free blocks together: whole stretches of free blocks, the longest first (then the least recently
-        # freed), the last one cut short.
+        # No n of them together: their longest stretches (then the least recently freed), the last one cut short.
+        # At most n stretches are needed: only the n longest are sorted.
         edges = np.flatnonzero(np.diff(cost < math.inf, prepend=False, append=False))
         starts, ends = edges[0::2], edges[1::2]
-        newest = np.maximum.reduceat(np.append(cost, math.inf), edges)[0::2]
+        lengths = ends - starts
+        if len(lengths) > n:
+            top = np.sort(np.argpartition(-lengths, n - 1)[:n])
+            starts, ends, lengths = starts[top], ends[top], lengths[top]
+        bounds = np.stack((starts, ends), axis=1).reshape(-1)
+        newest = np.maximum.reduceat(cost, bounds[:-1] if bounds[-1] == len(cost) else bounds)[0::2]
         blocks: list[int] = []
-        for i in np.lexsort((newest, starts - ends)):
+        for i in np.lexsort((newest, -lengths)):
             blocks.extend(range(int(starts[i]), min(int(ends[i]), int(starts[i]) + n - len(blocks))))
             if len(blocks) == n:
                 break

@@ -200,14 +200,14 @@ def test_random_use_keeps_the_pool_consistent(placement):
         assert pool.num_cached_blocks == sum(1 for b in pool._name_of if refs[b] == 0)
 
 
-def test_contiguous_placement_leaves_the_most_recently_freed_half_alone():
+def test_contiguous_placement_leaves_the_most_recently_freed_cached_blocks_alone():
     pool = BlockPool(8, "contiguous")
     a, b = pool.allocate(4), pool.allocate(4)
     for i, block in enumerate(a + b):
         pool.name(block, f"n{i}".encode())
     pool.free([a[0]])
     pool.free([a[2]])
-    pool.free(b)  # 6 free; the oldest half: 0, 2 and 7
+    pool.free(b)  # 6 free; within reach: 0 and 2, freed first
     assert pool.allocate(2) == [0, 2]  # not b's stretch, freed last, though it lies together
     assert pool.lookup([f"n{i}".encode() for i in range(4, 8)]) == b
 
