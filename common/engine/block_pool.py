@@ -9,10 +9,10 @@ A freed block keeps its KV (and name) as long as possible: a later request with 
 handed out, so never evicted; :meth:`expire_cached` drops the names of blocks freed too long ago (a TTL).
 Which free blocks :meth:`allocate` hands out is the pool's *placement*:
 
-- ``"lru"`` (the default): never-used blocks first, then the head of the free queue (least recently freed first). Under
-  churn a request's blocks end up scattered: a decode step adds one block per sequence, and sequences free
-  theirs in any order (simulated in ``benchmarks/block_placement.py``: ~1.1 blocks per stretch of consecutive
-  ids in a busy decode worker's reservations).
+- ``"lru"`` (the default): never-used blocks first, then the head of the free queue (least recently freed
+  first). Under churn a request's blocks end up scattered: a decode step adds one block per sequence, and
+  sequences free theirs in any order (``benchmarks/block_placement.py``, two real engines: 1.3-2.1 blocks per
+  stretch of consecutive ids in a busy decode worker's reservations).
 - ``"contiguous"``: a request of one block as ``"lru"``; of more, among the least recently freed free blocks (about
   a quarter of them, :data:`CONTIGUOUS_ELIGIBLE`, and every one holding no named KV), the ``n`` consecutive ones
   whose most recently freed cached block was freed longest ago, or, when no ``n`` of them lie together, their
@@ -254,7 +254,6 @@ class BlockPool:
                 self._num_free_named -= 1
                 self._cost[b] = math.inf
             self._ref_counts[b] += 1
-
 
 
 def _window_max(values: np.ndarray, n: int, scratch: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
