@@ -16,10 +16,12 @@ Which free blocks :meth:`allocate` hands out is the pool's *placement*:
 - ``"contiguous"``: a request of one block as ``"lru"``; of more, among the least recently freed free blocks (about
   a quarter of them, :data:`CONTIGUOUS_ELIGIBLE`, and every one holding no named KV), the ``n`` consecutive ones
   whose most recently freed cached block was freed longest ago, or, when no ``n`` of them lie together, their
-  longest stretches. A request's KV then lies in a few long runs (one NIXL descriptor per run, layer and head:
-  see :mod:`common.kv_transfer.blocks`; 2-8x fewer in the benchmark), at a price: some cached blocks go before
-  older ones, and a decode worker keeps somewhat less of the conversations that ended last. Workers choose it
-  where KV moves by NIXL block writes (``--kv-block-placement auto``).
+  longest stretches; a sequence that grows (a decode step's new block, a prompt's next chunk) takes the blocks
+  right after its last one when they are free and in reach. A request's KV then lies in a few long runs (one
+  NIXL descriptor per run, layer and head: see :mod:`common.kv_transfer.blocks`; 2.5-10x fewer in the
+  benchmark), at a price: some cached blocks go before older ones, and a decode worker keeps somewhat less of
+  the conversations that ended last. Workers choose it where KV moves by NIXL block writes
+  (``--kv-block-placement auto``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ PLACEMENTS = ("contiguous", "lru")
 # The sequences that ended last free long stretches, which it would take first otherwise: a decode worker would lose
 # its latest sessions' KV. benchmarks/block_placement.py (1,536 blocks, 24 streams): of the last 8 ended
 # conversations, the share of KV still cached is 0.53 at 1.0, 0.69 at 0.5, 0.79 at 0.25, 0.88 under lru; NIXL
-# descriptors per layer 9.2, 14.9, 19.8 and 118.8.
+# descriptors per layer 9.2, 14.9, 19.8 and 118.8 (before sequences grew in place: 0.79 and 17.1 since).
 CONTIGUOUS_ELIGIBLE = 0.25
 
 
@@ -104,14 +106,23 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
         """Take ``n`` free blocks (ref count 1 each, their names dropped), in ascending id order (runs of
-        consecutive blocks make KV copies cheap); all or nothing. Which ones: see the module's docstring."""
+        consecutive blocks make KV copies cheap); all or nothing. Which ones: see the module's docstring; under
+        contiguous placement, ``after`` (the last block of the sequence they extend) asks for the ``n`` blocks
+        right after it, taken when they are free and in reach."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free_blocks:
             raise NoFreeBlocksError(f"asked for {n} KV blocks, {self.num_free_blocks} free of {self.num_blocks}")
-        if n >= 2 and self.placement == "contiguous":
+        if self.placement == "contiguous" and after is not None and self._next_in_reach(after, n):
+            blocks = list(range(after + 1, after + 1 + n))
+            for b in blocks:
+                if b in self._fresh:
+                    del self._fresh[b]
+                else:
+                    del self._free[b]
+        elif n >= 2 and self.placement == "contiguous":
             blocks = self._contiguous(n)
             for b in blocks:
                 if b in self._fresh:
@@ -135,17 +146,29 @@ class BlockPool:
         blocks.sort()
         return blocks
 
+    def _reach(self, n: int) -> float:
+        """The highest cost in reach of a contiguous request of ``n`` blocks: the cached blocks freed by the last
+        (1 - CONTIGUOUS_ELIGIBLE) x (free blocks) frees are not (never so many that fewer than n are left)."""
+        free = self.num_free_blocks
+        recent = min(math.ceil((1 - CONTIGUOUS_ELIGIBLE) * free), free - n)
+        return max(self._num_frees - recent, 0) if recent > 0 else math.inf
+
+    def _next_in_reach(self, after: int, n: int) -> bool:
+        """Whether the ``n`` blocks after block ``after`` are free and in reach (a sequence growing in place)."""
+        if not 0 < n <= self.num_blocks - after - 1:
+            return False
+        cost = self._cost[after + 1 : after + 1 + n]
+        return bool(((cost < math.inf) & (cost <= self._reach(n))).all())
+
     def _contiguous(self, n: int) -> list[int]:
         """``n`` free block ids for contiguous placement (``n`` <= the free blocks)."""
-        free = self.num_free_blocks
-        # Out of reach: cached blocks freed by the last `recent` frees (at most that many blocks, and never so many
-        # that fewer than n are left); O(1) where a count of the newest share would need a sort.
-        recent = min(math.ceil((1 - CONTIGUOUS_ELIGIBLE) * free), free - n)
-        cost = self._cost
-        if recent > 0:
+        # Out of reach: the cached blocks freed by the last frees (O(1), where counting the newest share of the free
+        # blocks would take a sort), at inf like the blocks in use.
+        reach, cost = self._reach(n), self._cost
+        if reach < math.inf:
             cost = self._masked
             np.copyto(cost, self._cost)
-            np.putmask(cost, cost > max(self._num_frees - recent, 0), math.inf)
+            np.putmask(cost, cost > reach, math.inf)
         window = _window_max(cost, n, self._scratch)
         start = int(np.argmin(window)) if len(window) else 0
         if len(window) and window[start] < math.inf:

@@ -107,7 +107,8 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:  # preempted itself
                 break
-            request.block_ids += self.block_pool.allocate(need)
+            last = request.block_ids[-1] if request.block_ids else None
+            request.block_ids += self.block_pool.allocate(need, after=last)  # grows in place where it can
             out.scheduled.append((request, n))
             budget -= n
             i += 1

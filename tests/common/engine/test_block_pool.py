@@ -145,6 +145,26 @@ def test_contiguous_placement_takes_the_longest_stretches_when_no_window_is_free
     assert pool.allocate(3) == [0, 7, 14]
 
 
+def test_a_contiguous_sequence_grows_in_place_when_the_next_blocks_are_free_and_in_reach():
+    pool = BlockPool(10, "contiguous")
+    seq = pool.allocate(3)  # 0-2
+    other = pool.allocate(2)  # 3-4
+    assert pool.allocate(1, after=seq[-1]) == [5]  # 3 is in use: the next fresh block, as lru
+    pool.free(other)
+    assert pool.allocate(2, after=seq[-1]) == [3, 4]
+    pool = BlockPool(12, "contiguous")
+    seq, cached = pool.allocate(3), pool.allocate(2)
+    for i, block in enumerate(cached):
+        pool.name(block, f"c{i}".encode())
+    pool.allocate(7)
+    pool.free(cached)  # the most recently freed cached blocks: out of reach
+    assert pool.allocate(1, after=seq[-1]) == [4] and pool.lookup([b"c0"]) == [3]  # the LRU head, c1's block
+    assert BlockPool(4, "lru").allocate(1, after=0) == [0]  # lru takes no hint
+    pool = BlockPool(3, "contiguous")
+    seq, _ = pool.allocate(1), pool.allocate(1)
+    assert pool.allocate(1, after=seq[-1]) == [2]  # the last free block; the one after seq is in use
+
+
 def test_placement_is_checked():
     with pytest.raises(ValueError, match="placement must be one of contiguous, lru"):
         BlockPool(4, "best")
@@ -165,7 +185,7 @@ def test_random_use_keeps_the_pool_consistent(placement):
         assert pool.num_free_blocks == len(free_now)
         if op < 0.4 and free_now:
             n = rng.randint(1, min(12, len(free_now)))
-            got = pool.allocate(n)
+            got = pool.allocate(n, after=rng.choice(owners)[-1] if owners and rng.random() < 0.5 else None)
             assert got == sorted(got) and len(set(got)) == n and all(refs[b] == 0 for b in got)
             for b in got:
                 refs[b] = 1

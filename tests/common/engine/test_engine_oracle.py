@@ -53,10 +53,11 @@ def test_greedy_equals_generate(arch, tiny_model_dir, hf_reference):
     check_oracle(engine, hf_reference(d), make_prompts(engine.vocab_size))
 
 
+@pytest.mark.parametrize("placement", ["lru", "contiguous"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_with_chunked_prefill(arch, tiny_model_dir, hf_reference):
+def test_greedy_with_chunked_prefill(arch, placement, tiny_model_dir, hf_reference):
     d = tiny_model_dir(arch)
-    engine = make_engine(d, prefill_chunk_size=24, max_num_batched_tokens=64)
+    engine = make_engine(d, prefill_chunk_size=24, max_num_batched_tokens=64, kv_block_placement=placement)
     check_oracle(engine, hf_reference(d), make_prompts(engine.vocab_size))
 
 
