@@ -115,15 +115,16 @@ class BlockPool:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free_blocks:
             raise NoFreeBlocksError(f"asked for {n} KV blocks, {self.num_free_blocks} free of {self.num_blocks}")
-        if self.placement == "contiguous" and after is not None and self._next_in_reach(after, n):
+        if n == 0:  # a running sequence's step that needs no new block: the scheduler asks every step
+            return []
+        contiguous = self.placement == "contiguous"
+        if contiguous and after is not None and self._next_in_reach(after, n):
             blocks = list(range(after + 1, after + 1 + n))
-            for b in blocks:
-                if b in self._fresh:
-                    del self._fresh[b]
-                else:
-                    del self._free[b]
-        elif n >= 2 and self.placement == "contiguous":
+        elif contiguous and n >= 2:
             blocks = self._contiguous(n)
+        else:
+            blocks = None
+        if blocks is not None:
             for b in blocks:
                 if b in self._fresh:
                     del self._fresh[b]
