@@ -1,0 +1,215 @@
+"""Several hosts on one machine, for tests of what crosses a network between pdserve's services.
+
+Each host is a network namespace (its own interfaces, addresses and ports) whose processes also get their own
+hostname, IPC, ``/dev/shm`` and PID namespace: nothing joins two hosts but the network (and the filesystem, which
+holds the model and the logs). UCX cannot take a shared-memory or cross-memory-attach shortcut between them, and
+pdserve's same-host checks (the hostname) see two hosts. The hosts hang on one bridge in a switch namespace of
+their own; the test process reaches them through one more port of that bridge, its own namespace getting the
+subnet's first address. Nothing listens outside the private namespaces, and the subnet has no route anywhere else.
+
+    with VirtualHosts(["svc", "p1", "d1"]) as hosts:
+        proc = hosts["p1"].popen([sys.executable, "-m", "pdserve", "prefill", "--host", hosts["p1"].ip, ...])
+        hosts.partition("d1")      # its port on the bridge goes down: packets to and from it vanish silently
+        hosts.heal("d1")
+
+Needs root, iproute2's ``ip`` and util-linux's ``unshare``: :func:`unavailable_reason` says why not.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+_PREFIX = "pdt"  # namespace names: pdt-<creator pid>-<host>, so a crashed run's leftovers can be told and removed
+
+
+def _ip(*args: str) -> str:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+@functools.cache
+def unavailable_reason() -> str:
+    """'' when network namespaces can be made here, else why not (for test skips)."""
+    if os.geteuid() != 0:
+        return "virtual hosts need root (network namespaces)"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"virtual hosts need {tool} on the PATH"
+    name = f"{_PREFIX}-{os.getpid()}-probe"
+    try:
+        _ip("netns", "add", name)
+        try:  # what Host.popen does, with a command that only succeeds
+            probe = Host("probe", name, "", "")
+            proc = probe.popen(["true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            _, err = proc.communicate(timeout=30)
+            if proc.returncode != 0:
+                return f"cannot start a process on a virtual host here: {err.strip()}"
+        finally:
+            _ip("netns", "del", name)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot make a network namespace here: {exc}"
+    return ""
+
+
+def remove_stale() -> None:
+    """Delete the namespaces of earlier runs whose creating process is gone."""
+    for line in _ip("netns", "list").splitlines():
+        match = re.match(rf"({_PREFIX}-(\d+)-\S+)", line)
+        if match and not Path(f"/proc/{match.group(2)}").exists():
+            subprocess.run(["ip", "netns", "del", match.group(1)], capture_output=True, timeout=30)
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 in 10.0.0.0/8 that no address of this namespace lies in."""
+    taken = [ipaddress.ip_interface(a).network for a in re.findall(r"inet (\S+)", _ip("-4", "addr"))]
+    while True:
+        net = ipaddress.ip_network(f"10.{random.randrange(100, 255)}.{random.randrange(0, 256)}.0/24")
+        if not any(net.overlaps(t) for t in taken):
+            return net
+
+
+class Host:
+    """One virtual host: ``name``, its namespace ``netns``, address ``ip`` and ``hostname``."""
+
+    def __init__(self, name: str, netns: str, ip: str, port: str) -> None:
+        self.name, self.netns, self.ip, self.hostname = name, netns, ip, f"host-{name}"
+        self._port = port  # its interface on the bridge (in the switch namespace)
+
+    def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` on this host (``subprocess.Popen``'s keywords pass through). The process runs as the child of
+        an ``unshare`` that holds its namespaces; :func:`inner_pid` finds it for signals (killing the returned
+        process kills it too)."""
+        setup = 'hostname "$0" && mount -t tmpfs -o size=1g tmpfs /dev/shm && exec "$@"'
+        unshare = ["unshare", "--uts", "--ipc", "--mount", "--pid", "--fork", "--kill-child"]
+        argv = ["ip", "netns", "exec", self.netns, *unshare, "sh", "-c", setup, self.hostname, *argv]
+        return subprocess.Popen(argv, **kwargs)
+
+
+def inner_pid(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """The pid (in this namespace) of the command a :meth:`Host.popen` started: ``unshare``'s one child."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        if children:
+            return int(children[0])
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"no process under unshare {proc.pid} (exit status {proc.returncode})")
+        time.sleep(0.05)
+
+
+def signal_inner(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the command a :meth:`Host.popen` started (``unshare`` itself would die of it and take the
+    command down with SIGKILL: no graceful stop)."""
+    os.kill(inner_pid(proc), sig)
+
+
+class VirtualHosts:
+    """Hosts on one bridge (see the module's docstring); a context manager that removes everything on exit."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._tag = f"{_PREFIX}-{os.getpid()}"
+        self._switch = f"{self._tag}-switch"
+        self._namespaces: list[str] = []
+        self._procs: list[subprocess.Popen] = []
+        self.hosts: dict[str, Host] = {}
+        self._names = list(names)
+        self._client_link = ""
+
+    def __enter__(self) -> VirtualHosts:
+        remove_stale()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getitem__(self, name: str) -> Host:
+        return self.hosts[name]
+
+    def _netns(self, name: str) -> str:
+        _ip("netns", "add", name)
+        self._namespaces.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+        return name
+
+    def _build(self) -> None:
+        net = _free_subnet()
+        addresses = net.hosts()
+        self._netns(self._switch)
+        _ip("-n", self._switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self._switch, "link", "set", "br0", "up")
+        suffix = f"{os.getpid() % 100000}"
+        # The test process's own port: an address on the subnet in this namespace (interface names <= 15 chars)
+        self._client_link = f"pdc{suffix}"
+        _ip("link", "add", self._client_link, "type", "veth", "peer", "name", "sw0", "netns", self._switch)
+        _ip("addr", "add", f"{next(addresses)}/{net.prefixlen}", "dev", self._client_link)
+        _ip("link", "set", self._client_link, "up")
+        self._attach("sw0")
+        for i, name in enumerate(self._names, start=1):
+            netns = self._netns(f"{self._tag}-{name}")
+            port = f"sw{i}"
+            _ip("-n", netns, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self._switch)
+            ip = str(next(addresses))
+            _ip("-n", netns, "addr", "add", f"{ip}/{net.prefixlen}", "dev", "eth0")
+            _ip("-n", netns, "link", "set", "eth0", "up")
+            self._attach(port)
+            self.hosts[name] = Host(name, netns, ip, port)
+
+    def _attach(self, port: str) -> None:
+        _ip("-n", self._switch, "link", "set", port, "master", "br0")
+        _ip("-n", self._switch, "link", "set", port, "up")
+
+    def popen(self, host: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """:meth:`Host.popen`, the process then stopped (SIGTERM, then SIGKILL) when the hosts close."""
+        proc = self.hosts[host].popen(argv, **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def partition(self, host: str) -> None:
+        """Cut ``host`` off the network: its port on the bridge goes down, so whatever it or others send to each other
+        is dropped without a word (no reset, no error: a silent split, as a failed switch port or cable gives)."""
+        _ip("-n", self._switch, "link", "set", self.hosts[host]._port, "down")
+
+    def heal(self, host: str) -> None:
+        _ip("-n", self._switch, "link", "set", self.hosts[host]._port, "up")
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                try:
+                    signal_inner(proc, signal.SIGTERM)
+                except (RuntimeError, OSError):
+                    proc.kill()
+        deadline = time.monotonic() + 15
+        for proc in self._procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()  # unshare --kill-child: the command dies with it
+                proc.wait(10)
+        self._procs.clear()
+        if self._client_link:
+            subprocess.run(["ip", "link", "del", self._client_link], capture_output=True, timeout=30)
+            self._client_link = ""
+        for netns in reversed(self._namespaces):
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)
+        self._namespaces.clear()
