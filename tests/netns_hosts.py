@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 _PREFIX = "pdt"  # namespace names: pdt-<creator pid>-<host>, so a crashed run's leftovers can be told and removed
+MIN_BURST_BYTES = 256 << 10  # of a shaped link (see VirtualHosts.shape): what passes at once before the rate holds
 
 
 def _ip(*args: str) -> str:
@@ -78,6 +79,14 @@ def _free_subnet() -> ipaddress.IPv4Network:
         net = ipaddress.ip_network(f"10.{random.randrange(100, 255)}.{random.randrange(0, 256)}.0/24")
         if not any(net.overlaps(t) for t in taken):
             return net
+
+
+def parse_rate(rate: str) -> int:
+    """Bits per second of a tc rate such as ``"10gbit"``, ``"500mbit"``, ``"64kbit"``."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(k|m|g)?bit", rate.strip().lower())
+    if not match:
+        raise ValueError(f"not a rate: {rate!r} (e.g. 10gbit, 500mbit)")
+    return int(float(match.group(1)) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)])
 
 
 class Host:
@@ -192,6 +201,23 @@ class VirtualHosts:
     def heal(self, host: str) -> None:
         _ip("-n", self._switch, "link", "set", self.hosts[host]._port, "up")
 
+    def shape(self, host: str, rate: str) -> None:
+        """Limit ``host``'s link to ``rate`` bits/s each way (``"10gbit"``, ``"500mbit"``; ``""``: unlimited): tc's
+        token bucket on its interface and on its port of the bridge, bursts of 10 ms (at least :data:`MIN_BURST_BYTES`:
+        veth hands the qdisc segments of up to 64 KiB)."""
+        h = self.hosts[host]
+        for netns, dev in ((h.netns, "eth0"), (self._switch, h._port)):
+            if not rate:
+                subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root"],
+                               capture_output=True, timeout=30)  # fmt: skip
+                continue
+            burst = max(parse_rate(rate) // 8 // 100, MIN_BURST_BYTES)
+            proc = subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                                   "rate", rate, "burst", str(burst), "latency", "100ms"],
+                                  capture_output=True, text=True, timeout=30)  # fmt: skip
+            if proc.returncode != 0:
+                raise RuntimeError(f"tc tbf on {host}: {proc.stderr.strip()}")
+
     def close(self) -> None:
         for proc in self._procs:
             if proc.poll() is None:
@@ -213,3 +239,41 @@ class VirtualHosts:
         for netns in reversed(self._namespaces):
             subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)
         self._namespaces.clear()
+
+
+# -- a pdserve cluster over virtual hosts -------------------------------------------------------------------
+
+GRPC_PORT, HTTP_PORT, REDIS_PORT = 50051, 8080, 6379  # the same on every host: each has its own ports
+
+
+def start_pdserve(hosts: VirtualHosts, model_dir: str, workers: dict[str, tuple[str, str, list[str]]], logs: Path,
+                  router_args: Sequence[str] = ()) -> dict:  # fmt: skip
+    """Redis and the router on host ``svc``; each worker (``worker id -> (role, host, extra flags)``) on its host.
+    Returns the addresses: ``redis`` (URL), ``router``, ``http`` (the router's), ``metrics`` (worker id -> its
+    HTTP address). Each process writes ``logs/NAME.log``; the hosts stop them when they close. Does not wait."""
+    import sys
+
+    svc = hosts["svc"].ip
+    redis_url = f"redis://{svc}:{REDIS_PORT}/0"
+    repo = Path(__file__).resolve().parents[1]
+
+    def start(host: str, name: str, argv: list[str]) -> None:
+        log = open(Path(logs) / f"{name}.log", "w")  # noqa: SIM115 - the process writes it until the hosts close
+        hosts.popen(host, argv, stdout=log, stderr=log, cwd=repo)
+
+    start("svc", "redis", ["redis-server", "--bind", svc, "--port", str(REDIS_PORT), "--save", "", "--appendonly",
+                           "no", "--protected-mode", "no"])  # fmt: skip
+    py = [sys.executable, "-m", "pdserve", "--log-level", "INFO"]
+    for worker_id, (role, host, extra) in workers.items():
+        start(host, worker_id, [*py, role, "--model", model_dir, "--host", hosts[host].ip, "--port", str(GRPC_PORT),
+                                "--metrics-port", str(HTTP_PORT), "--redis-url", redis_url, "--worker-id", worker_id,
+                                *extra])  # fmt: skip
+    start("svc", "router", [*py, "router", "--model", model_dir, "--host", svc, "--port", str(GRPC_PORT),
+                            "--http-port", str(HTTP_PORT), "--redis-url", redis_url, *router_args])  # fmt: skip
+    return {"redis": redis_url, "router": f"{svc}:{GRPC_PORT}", "http": f"{svc}:{HTTP_PORT}",
+            "metrics": {w: f"{hosts[host].ip}:{HTTP_PORT}" for w, (_, host, _) in workers.items()}}  # fmt: skip
+
+
+def print_logs(logs: Path, tail: int = 3000) -> None:
+    for path in sorted(Path(logs).iterdir()):
+        print(f"--- {path.name}\n{path.read_text(errors='replace')[-tail:]}")

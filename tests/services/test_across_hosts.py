@@ -9,23 +9,19 @@ Real processes; skipped without root (network namespaces) or NIXL."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from common.kv_transfer import nixl
 from pdserve.client import Client, Result
-from tests.cli import REPO
 from tests.conftest import hf_greedy
-from tests.netns_hosts import VirtualHosts, unavailable_reason
+from tests.netns_hosts import VirtualHosts, print_logs, start_pdserve, unavailable_reason
 from tests.services.probe import metric, wait_for, workers
 
 HEARTBEAT_TTL_S = 3
 COOLDOWN_S = 1
-GRPC_PORT, HTTP_PORT, REDIS_PORT = 50051, 8080, 6379
 PREFILL = {"prefill-a": "nixl", "prefill-b": "shm"}  # worker id -> --kv-transport
 DECODE = ("decode-a", "decode-b")
 
@@ -49,37 +45,16 @@ def host_of(worker_id: str) -> str:
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("across-hosts-logs")
-    with VirtualHosts(["svc", *map(host_of, PREFILL), *map(host_of, DECODE)]) as hosts:
-        svc = hosts["svc"].ip
-        redis_url = f"redis://{svc}:{REDIS_PORT}/0"
-
-        def start(host: str, name: str, argv: list[str]) -> None:
-            log = open(logs / f"{name}.log", "w")  # noqa: SIM115 - the process writes it until the hosts close
-            hosts.popen(host, argv, stdout=log, stderr=log, cwd=REPO)
-
-        start("svc", "redis", ["redis-server", "--bind", svc, "--port", str(REDIS_PORT), "--save", "",
-                               "--appendonly", "no", "--protected-mode", "no"])  # fmt: skip
-        py = [sys.executable, "-m", "pdserve", "--log-level", "INFO"]
-        common = ["--model", model_dir, "--port", str(GRPC_PORT), "--metrics-port", str(HTTP_PORT), "--redis-url",
-                  redis_url, "--kv-cache-memory", "6e7", "--heartbeat-ttl-s", str(HEARTBEAT_TTL_S)]  # fmt: skip
-        for worker_id, transport in PREFILL.items():
-            host = host_of(worker_id)
-            start(host, worker_id, [*py, "prefill", "--host", hosts[host].ip, "--worker-id", worker_id, *common,
-                                    "--kv-transport", transport])  # fmt: skip
-        for worker_id in DECODE:
-            host = host_of(worker_id)
-            start(host, worker_id, [*py, "decode", "--host", hosts[host].ip, "--worker-id", worker_id, *common,
-                                    "--kv-nixl"])  # fmt: skip
-        start("svc", "router", [*py, "router", "--model", model_dir, "--host", svc, "--port", str(GRPC_PORT),
-                                "--http-port", str(HTTP_PORT), "--redis-url", redis_url,
-                                "--worker-cooldown-s", str(COOLDOWN_S)])  # fmt: skip
-        info = {"hosts": hosts, "redis": redis_url, "router": f"{svc}:{GRPC_PORT}", "http": f"{svc}:{HTTP_PORT}",
-                "metrics": {w: f"{hosts[host_of(w)].ip}:{HTTP_PORT}" for w in (*PREFILL, *DECODE)}, "logs": logs}  # fmt: skip
+    flags = ["--kv-cache-memory", "6e7", "--heartbeat-ttl-s", str(HEARTBEAT_TTL_S)]
+    layout = {w: ("prefill", host_of(w), [*flags, "--kv-transport", t]) for w, t in PREFILL.items()}
+    layout |= {w: ("decode", host_of(w), [*flags, "--kv-nixl"]) for w in DECODE}
+    with VirtualHosts(["svc", *(host for _, host, _ in layout.values())]) as hosts:
+        info = start_pdserve(hosts, model_dir, layout, logs, router_args=["--worker-cooldown-s", str(COOLDOWN_S)])
+        info |= {"hosts": hosts, "logs": logs}
         try:
             wait_until_serving(info, 180)
         except AssertionError:
-            for path in sorted(Path(logs).iterdir()):
-                print(f"--- {path.name}\n{path.read_text()[-3000:]}")
+            print_logs(logs)
             raise
         yield info
 
