@@ -225,7 +225,7 @@ class VirtualHosts:
                     signal_inner(proc, signal.SIGTERM)
                 except (RuntimeError, OSError):
                     proc.kill()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 5  # then SIGKILL: a draining worker may take its --drain-timeout-s
         for proc in self._procs:
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.1))

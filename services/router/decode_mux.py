@@ -9,6 +9,8 @@ changes is the traffic: the worker sends one message a step for all of them, and
   (the worker died, a network break), every request on it fails with that status (UNAVAILABLE when the worker
   ended it): :meth:`services.router.decode_stream.DecodeStreamMixin._relay` moves each to another worker.
 - Each request keeps its own deadline here too: a worker that stops answering cannot hold one past it.
+- A KV hand-off to the worker keeps the stream open (:meth:`DecodeMux.watch`): the channel's keepalive pings then
+  notice a worker gone silent while its KV moves by NIXL, when nothing else may be open to it.
 - A worker without ``DecodeMany`` (an older version, during a rolling upgrade) answers UNIMPLEMENTED before any
   token: the requests waiting for it then make plain ``Decode`` calls, and so does every later one.
 - A request whose client lags gets what queued meanwhile as one piece (tokens, text and logprobs joined).
@@ -60,6 +62,7 @@ class DecodeMux:
         self._reader: asyncio.Task | None = None
         self._outgoing: _Outgoing | None = None
         self._waiting: dict[str, asyncio.Queue] = {}  # request id -> its pieces (and errors)
+        self._ended: asyncio.Future | None = None  # of the open stream: see watch()
 
     def decode(self, request: worker_pb2.DecodeRequest, *, timeout: float,
                metadata: Sequence[tuple[str, str]] = ()) -> MuxedDecode | grpc.aio.UnaryStreamCall:
@@ -70,13 +73,28 @@ class DecodeMux:
 
     # -- the stream -----------------------------------------------------------------------------------------
 
+    def watch(self) -> asyncio.Future | None:
+        """Keep the stream open (opening it if it is not) and return a future that completes when it ends: with the
+        :class:`StreamError` of a failure (the worker died, or its host went silent: the channel's keepalive pings
+        went unanswered), with None when the worker ended it. A KV hand-off watches its decode worker so: while the
+        KV moves by NIXL nothing else may be open to that worker, and no ping would notice it gone. None when the
+        worker has no DecodeMany. Callers wait on the future; none may cancel it (it is shared)."""
+        if not self.supported:
+            return None
+        self._stream()
+        return self._ended
+
+    def _stream(self) -> None:
+        if self._call is None:
+            self._outgoing = _Outgoing()
+            self._ended = asyncio.get_running_loop().create_future()
+            self._call = self.stub.DecodeMany(self._outgoing.messages())
+            self._reader = asyncio.get_running_loop().create_task(self._read(self._call, self._outgoing, self._ended))
+
     def _open(self, rid: str, message: worker_pb2.DecodeManyRequest) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         self._waiting[rid] = queue
-        if self._call is None:
-            self._outgoing = _Outgoing()
-            self._call = self.stub.DecodeMany(self._outgoing.messages())
-            self._reader = asyncio.get_running_loop().create_task(self._read(self._call, self._outgoing))
+        self._stream()
         self._outgoing.put(message)
         return queue
 
@@ -86,9 +104,10 @@ class DecodeMux:
             if self._outgoing is not None:
                 self._outgoing.put(worker_pb2.DecodeManyRequest(cancel=rid))
 
-    async def _read(self, call, outgoing: _Outgoing) -> None:
+    async def _read(self, call, outgoing: _Outgoing, ended: asyncio.Future) -> None:
         """Hand each update to its request's queue until the stream ends; then end every request still on it."""
         error: StreamError | _Unsupported
+        failure: StreamError | None = None  # what ``ended`` reports: only a failure, not the worker's own end
         received = False
         try:
             await call.initial_metadata()  # the worker's DecodeMany sends them at once; an error ends the call first
@@ -117,11 +136,13 @@ class DecodeMux:
                 error = _Unsupported()
             else:  # a worker that went away mid-stream (its server stopped) failed every request on it
                 code = grpc.StatusCode.UNAVAILABLE if code is grpc.StatusCode.CANCELLED else code
-                error = StreamError(code, exc.details() or code.name)
+                error = failure = StreamError(code, exc.details() or code.name)
         finally:
             if self._call is call:
                 self._call = self._outgoing = None
             outgoing.close()
+            if not ended.done():
+                ended.set_result(failure)
         waiting, self._waiting = self._waiting, {}
         for queue in waiting.values():
             queue.put_nowait(error)

@@ -6,10 +6,12 @@ Life cycle of a request at the router (every stage has a deadline; it ends in a 
    (:mod:`services.router.rate_limits`; RESOURCE_EXHAUSTED with a retry hint when over one);
 2. pick a decode worker and reserve KV blocks there under a lease (RESOURCE_EXHAUSTED → the next one);
 3. pick a prefill worker and ``Prefill`` with the decode worker as KV target: it streams the KV there and
-   answers with the first token, which goes to the client at once;
+   answers with the first token, which goes to the client at once; meanwhile the decode worker's DecodeMany
+   stream stays open, whose keepalive pings notice it gone (the Prefill is then cancelled);
 4. ``Decode`` on the decode worker; relay its stream to the client;
 5. a hand-off that fails before any token reached the client (a worker died, a corrupt or late KV transfer)
-   is retried once on another worker pair, with both sides' blocks freed; otherwise the client gets the
+   is retried once on another worker pair (without the worker that failed: the decode worker when it no longer
+   answers, else the prefill worker), with both sides' blocks freed; otherwise the client gets the
    failing status with a message that says what failed where.
 
 The request's record in Redis follows it (status, workers, tokens emitted) and expires after it finishes;
@@ -79,6 +81,15 @@ class ModelInfo:
     max_model_len: int
 
 
+class _DecodeLost(Exception):
+    """The decode worker of a hand-off failed or went silent while its KV was on the way (its DecodeMany stream
+    failed with ``error``)."""
+
+    def __init__(self, error: grpc.RpcError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Outcome:
     """What a served attempt leaves for its caller: the decode worker that finished the request."""
 
@@ -131,10 +142,33 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         if not self.config.decode_mux:
             stub = worker_pb2_grpc.DecodeServiceStub(self._channel(address))
             return stub.Decode(request, timeout=timeout, metadata=metadata)
+        return self._mux(address).decode(request, timeout=timeout, metadata=metadata)
+
+    def _mux(self, address: str) -> DecodeMux:
         mux = self._muxes.get(address)
         if mux is None:
             mux = self._muxes[address] = DecodeMux(worker_pb2_grpc.DecodeServiceStub(self._channel(address)), address)
-        return mux.decode(request, timeout=timeout, metadata=metadata)
+        return mux
+
+    async def _prefill_watching(self, call, decode_address: str):
+        """Await the Prefill ``call`` while watching the decode worker its KV goes to (its DecodeMany stream kept
+        open, :meth:`DecodeMux.watch`): a decode worker that fails or goes silent meanwhile raises
+        :class:`_DecodeLost` after cancelling the call (the prefill worker then aborts the transfer), instead of
+        the hand-off waiting out the KV lease. Without ``--decode-mux`` the call is awaited alone."""
+        ended = self._mux(decode_address).watch() if self.config.decode_mux else None
+        if ended is None or (ended.done() and ended.result() is None):
+            return await call
+        prefill = asyncio.ensure_future(call)
+        try:
+            await asyncio.wait((prefill, ended), return_when=asyncio.FIRST_COMPLETED)
+            if not prefill.done() and ended.result() is not None:
+                call.cancel()
+                raise _DecodeLost(ended.result())
+            return await prefill
+        except BaseException:  # (a client that left cancels this task: the call goes with it)
+            prefill.cancel()
+            call.cancel()
+            raise
 
     def _spawn(self, coroutine) -> None:
         """Run ``coroutine`` on the loop without waiting for it (cleanup of a stream that is going away)."""
@@ -325,7 +359,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             try:
                 await self._record_update(rid, status="prefilling", decode_worker_id=d.id, prefill_worker_id=p.id,
                                           route_reason=f"{decode.reason}; {prefill.reason}", routed_at=time.time())
-                first = await prefill_stub.Prefill(
+                first = await self._prefill_watching(prefill_stub.Prefill(
                     worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
                                               kv_target_address=d.address, decode_identity=reserved.identity,
                                               kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host,
@@ -333,23 +367,30 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                                               kv_block_ids=reserved.kv_block_ids),
                     timeout=max(0.1, min(deadline_s - time.monotonic(), lease_ends_s - time.monotonic())),
                     metadata=metadata,
-                )  # fmt: skip
+                ), d.address)  # fmt: skip
+            except _DecodeLost as exc:  # the KV's destination is gone: the retry avoids it, not the prefill worker
+                self._release_soon(decode_stub, rid)
+                self.tracker.suspect(d.id)
+                raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"prefill on {p.id} (KV to {d.id}) failed: the decode "
+                                   f"worker stopped answering during the hand-off: {exc.error.details()}", d.id)
             except asyncio.CancelledError:  # the client cancelled or disconnected (the call is cancelled too)
                 self._release_soon(decode_stub, rid)
                 self._spawn(self._record_finish(rid, "aborted", timer, error="cancelled by the client"))
                 timer.fail(grpc.StatusCode.CANCELLED.name)
                 raise
             except grpc.RpcError as exc:
-                if not await self._release(decode_stub, rid):  # the decode worker does not answer either: avoid
-                    excluded.add(d.id)  # it too (a hung or dead one, while its registry entry has not lapsed)
+                decode_answers = await self._release(decode_stub, rid)
+                if not decode_answers:  # a hung or dead decode worker, while its registry entry has not lapsed
                     self.tracker.suspect(d.id)
                 details = exc.details()
                 if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline_s - 0.05:
                     details = (f"no first token before the KV reservation's lease ended "
                                f"(--kv-lease-s {self.config.kv_lease_s:g}): the prefill or its KV transfer stalled")
-                # The retry avoids this prefill worker (a corrupt or late transfer starts at the sender as
-                # often as anywhere); the decode worker stays eligible, it may be the only one.
-                raise HandoffError(exc.code(), f"prefill on {p.id} (KV to {d.id}) failed: {details}", p.id)
+                # The retry avoids the decode worker when it does not answer either (the transfer failed on its
+                # side: the prefill worker may well be the only one), else this prefill worker (a corrupt or late
+                # transfer starts at the sender as often as anywhere; the decode worker may be the only one).
+                raise HandoffError(exc.code(), f"prefill on {p.id} (KV to {d.id}) failed: {details}",
+                                   p.id if decode_answers else d.id)  # fmt: skip
             finally:
                 self.tracker.release(p.id)
                 prefill_released = True

@@ -341,6 +341,63 @@ def test_router_mux_fails_every_request_when_the_stream_breaks_then_reopens():
     assert again == first
 
 
+class _Ends(worker_pb2_grpc.DecodeServiceServicer):
+    """A worker whose DecodeMany breaks (``abort`` set: after ``after_s``, as a crash would end it) or ends on its
+    own (a drained worker) after ``after_s``, with nothing opened on it."""
+
+    def __init__(self, after_s: float, abort: bool) -> None:
+        self.after_s, self.abort = after_s, abort
+
+    async def DecodeMany(self, request_iterator, context):
+        await context.send_initial_metadata(())
+        await asyncio.sleep(self.after_s)
+        if self.abort:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker gone")
+        return
+        yield  # (a generator: a stream of responses)
+
+
+@pytest.mark.parametrize("abort", [True, False], ids=["breaks", "ends"])
+def test_router_mux_watch_opens_the_stream_and_reports_its_failure_not_its_end(abort):
+    """A KV hand-off watches its decode worker through the mux: the stream opens with no request on it, and the
+    future completes with the failure (the hand-off is cancelled) or with None when the worker ended the stream."""
+
+    async def main():
+        server, address = await _serve(_Ends(0.3, abort))
+        try:
+            async with grpc.aio.insecure_channel(address) as ch:
+                mux = DecodeMux(worker_pb2_grpc.DecodeServiceStub(ch), address)
+                ended = mux.watch()
+                assert mux.watch() is ended and not ended.done()  # one stream, one future for every watcher
+                t0 = time.monotonic()
+                result = await asyncio.wait_for(ended, 5)
+                return result, time.monotonic() - t0
+        finally:
+            await server.stop(None)
+
+    result, took = asyncio.run(main())
+    assert 0.2 <= took < 3
+    if abort:
+        assert isinstance(result, StreamError) and result.code() is grpc.StatusCode.UNAVAILABLE
+        assert result.details() == "worker gone"
+    else:
+        assert result is None
+
+
+def test_router_mux_watch_on_an_older_worker_is_no_watch():
+    async def main():
+        server, address = await _serve(_DecodeOnly())
+        try:
+            async with grpc.aio.insecure_channel(address) as ch:
+                mux = DecodeMux(worker_pb2_grpc.DecodeServiceStub(ch), address)
+                first = await asyncio.wait_for(mux.watch(), 5)  # UNIMPLEMENTED: no failure of the worker's
+                return first, mux.supported, mux.watch()
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(main()) == (None, False, None)
+
+
 def test_lagging_pieces_merge_into_one():
     """What queued while the client lagged leaves as one piece; an error queued behind it comes next."""
 
@@ -401,7 +458,7 @@ def test_a_lagging_callers_updates_merge_per_request_and_keep_a_status_after_the
         mux = DecodeMux(stub=None, address="nowhere")
         queue_ = asyncio.Queue()
         mux._waiting["a"] = queue_
-        await mux._read(_OneMessage(), _Outgoing())
+        await mux._read(_OneMessage(), _Outgoing(), asyncio.get_running_loop().create_future())
         return [queue_.get_nowait() for _ in range(queue_.qsize())]
 
     first, error = asyncio.run(main())

@@ -1,0 +1,103 @@
+"""A decode host that drops off the network while a prompt's KV is on its way to it (virtual hosts:
+:mod:`tests.netns_hosts`; links slowed to 10 Mbit/s so that the transfer takes seconds): the router, which keeps
+the decode worker's DecodeMany stream open during the hand-off, hears its keepalive pings go unanswered, cancels
+the prefill and retries on the other decode worker with the same prefill worker (the only one). Before, a NIXL
+hand-off waited out the KV lease (no call was open to the decode worker, only UCX traffic) and the retry then
+avoided the prefill worker, so with one prefill worker the request failed after 35 s; over gRPC the transfer
+failed in ~12 s and the retry failed the same way. Per transport, its own cluster; real processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from common.kv_transfer import nixl
+from pdserve.client import Client
+from tests.conftest import hf_greedy
+from tests.netns_hosts import VirtualHosts, print_logs, start_pdserve, unavailable_reason
+from tests.services.probe import metric, wait_for, workers
+
+DECODE_HOSTS = {"decode-a": "da", "decode-b": "db"}
+LEASE_S = 30.0  # the router's default --kv-lease-s, which the hand-off must not wait out
+
+
+def _skip_reason() -> str:
+    return unavailable_reason() or nixl.unavailable_reason()
+
+
+pytestmark = pytest.mark.skipif(bool(_skip_reason()), reason=_skip_reason() or "-")
+
+
+@pytest.fixture(scope="module", params=["nixl", "grpc"])
+def cluster(request, tiny_model_dir, tmp_path_factory):
+    model_dir = tiny_model_dir("llama")
+    logs = tmp_path_factory.mktemp(f"split-mid-transfer-{request.param}")
+    flags = ["--kv-cache-memory", "6e7", "--heartbeat-ttl-s", "3", "--threads", "1"]
+    layout = {"prefill-a": ("prefill", "pa", [*flags, "--kv-transport", request.param])}
+    layout |= {w: ("decode", host, [*flags, "--kv-nixl"]) for w, host in DECODE_HOSTS.items()}
+    with VirtualHosts(["svc", "pa", *DECODE_HOSTS.values()]) as hosts:
+        info = start_pdserve(hosts, model_dir, layout, logs, router_args=["--worker-cooldown-s", "1"])
+        try:
+            wait_for(lambda: set(workers(info["redis"])) == set(layout), 180, "every worker registered")
+            wait_for(lambda: metric(info["http"], "pdserve:workers", state="ready") == 3, 60, "router ready")
+        except AssertionError:
+            print_logs(logs)
+            raise
+        yield info | {"hosts": hosts, "model_dir": model_dir, "transport": request.param}
+
+
+def test_decode_host_split_off_mid_transfer_is_retried_within_keepalive(cluster, hf_reference):
+    hosts, model = cluster["hosts"], hf_reference(cluster["model_dir"])
+    with Client(cluster["router"], timeout_s=60) as client:  # warm: KV channels open, both pools used once
+        for seed in range(2):
+            warm = [(seed * 17 + 3 * i) % 3000 + 11 for i in range(64)]
+            assert client.generate(warm, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids == hf_greedy(
+                model, warm, 4)
+    for host in ("pa", *DECODE_HOSTS.values()):
+        hosts.shape(host, "10mbit")  # 1,500 tokens of the tiny model's KV: 3.1 MB, 2.5 s on this link
+    prompt = [(7 + 13 * i) % 3000 + 11 for i in range(1500)]
+    outcome: dict = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            with Client(cluster["router"], timeout_s=120) as client:
+                outcome["result"] = client.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            outcome["error"] = exc
+        outcome["took_s"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    # the decode worker whose reservation the KV is filling: split it off while the transfer runs
+    target = wait_for(lambda: [w for w, info in workers(cluster["redis"]).items()
+                               if w in DECODE_HOSTS and info.kv_blocks_used > 0], 10, "a reservation")  # fmt: skip
+    victim = target[0]
+    hosts.partition(DECODE_HOSTS[victim])
+    try:
+        thread.join(120)
+        assert "result" in outcome, outcome
+        result = outcome["result"]
+        assert result.token_ids == hf_greedy(model, prompt, 8)
+        assert result.prefill_worker_id == "prefill-a" and result.decode_worker_id != victim, result
+        assert outcome["took_s"] < LEASE_S - 5, outcome  # keepalive (5 s + 5 s), the retry's transfer
+        assert metric(cluster["http"], "pdserve:handoff_retries_total", code="UNAVAILABLE") == 1
+    finally:
+        hosts.heal(DECODE_HOSTS[victim])
+    wait_for(lambda: victim in workers(cluster["redis"]) and all(
+        w.kv_blocks_used == 0 for w in workers(cluster["redis"]).values()), 30,
+        f"{victim} registered again, every KV block free")  # fmt: skip
+    # healed: the victim serves again, its KV from the same prefill worker (a new channel where the old one broke)
+    for host in ("pa", *DECODE_HOSTS.values()):
+        hosts.shape(host, "")
+    time.sleep(1.5)  # its suspicion (--worker-cooldown-s 1) over
+    served = set()
+    with Client(cluster["router"], timeout_s=60) as client:
+        for seed in range(4):
+            p = [(seed * 29 + 5 * i) % 3000 + 11 for i in range(300)]
+            result = client.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True)
+            assert result.token_ids == hf_greedy(model, p, 8), seed
+            served.add(result.decode_worker_id)
+    assert victim in served, served
