@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import itertools
 import os
 import random
 import re
@@ -29,7 +30,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-_PREFIX = "pdt"  # namespace names: pdt-<creator pid>-<host>, so a crashed run's leftovers can be told and removed
+_PREFIX = "pdt"  # namespace names: pdt-<creator pid>-<n>-<host>, so a crashed run's leftovers can be told and removed
+_NOBODY_MAC = "02:00:00:00:00:01"  # locally administered; no virtual host gets it (the kernel picks random ones)
+# What this process's environment may say of its own host that a virtual host's processes must not inherit: the
+# NIXL tests put UCX on the loopback device only (os.environ.setdefault at import), where no other host is reached.
+HOST_LOCAL_ENV = ("UCX_NET_DEVICES",)
+_instances = itertools.count()
 MIN_BURST_BYTES = 256 << 10  # of a shaped link (see VirtualHosts.shape): what passes at once before the rate holds
 
 
@@ -100,6 +106,8 @@ class Host:
         """Start ``argv`` on this host (``subprocess.Popen``'s keywords pass through). The process runs as the child of
         an ``unshare`` that holds its namespaces; :func:`inner_pid` finds it for signals (killing the returned
         process kills it too)."""
+        if "env" not in kwargs:  # a host of its own: not the loopback-only UCX device that one-host tests set here
+            kwargs["env"] = {k: v for k, v in os.environ.items() if k not in HOST_LOCAL_ENV}
         setup = 'hostname "$0" && mount -t tmpfs -o size=1g tmpfs /dev/shm && exec "$@"'
         unshare = ["unshare", "--uts", "--ipc", "--mount", "--pid", "--fork", "--kill-child"]
         argv = ["ip", "netns", "exec", self.netns, *unshare, "sh", "-c", setup, self.hostname, *argv]
@@ -131,7 +139,8 @@ class VirtualHosts:
     """Hosts on one bridge (see the module's docstring); a context manager that removes everything on exit."""
 
     def __init__(self, names: Sequence[str]) -> None:
-        self._tag = f"{_PREFIX}-{os.getpid()}"
+        self._number = next(_instances)  # several sets of hosts may live in one process at once
+        self._tag = f"{_PREFIX}-{os.getpid()}-{self._number}"
         self._switch = f"{self._tag}-switch"
         self._namespaces: list[str] = []
         self._procs: list[subprocess.Popen] = []
@@ -166,7 +175,7 @@ class VirtualHosts:
         self._netns(self._switch)
         _ip("-n", self._switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self._switch, "link", "set", "br0", "up")
-        suffix = f"{os.getpid() % 100000}"
+        suffix = f"{os.getpid() % 100000}x{self._number % 1000}"
         # The test process's own port: an address on the subnet in this namespace (interface names <= 15 chars)
         self._client_link = f"pdc{suffix}"
         _ip("link", "add", self._client_link, "type", "veth", "peer", "name", "sw0", "netns", self._switch)
@@ -200,6 +209,18 @@ class VirtualHosts:
 
     def heal(self, host: str) -> None:
         _ip("-n", self._switch, "link", "set", self.hosts[host]._port, "up")
+
+    def split(self, a: str, b: str) -> None:
+        """Cut hosts ``a`` and ``b`` off each other only (both still reach every other host), silently: each one's
+        neighbour entry for the other names a MAC no host has, so the bridge floods their frames to no taker."""
+        for x, y in ((a, b), (b, a)):
+            _ip("-n", self.hosts[x].netns, "neigh", "replace", self.hosts[y].ip, "lladdr", _NOBODY_MAC, "nud",
+                "permanent", "dev", "eth0")  # fmt: skip
+
+    def join(self, a: str, b: str) -> None:
+        """Undo :meth:`split`."""
+        for x, y in ((a, b), (b, a)):
+            _ip("-n", self.hosts[x].netns, "neigh", "del", self.hosts[y].ip, "dev", "eth0")
 
     def shape(self, host: str, rate: str) -> None:
         """Limit ``host``'s link to ``rate`` bits/s each way (``"10gbit"``, ``"500mbit"``; ``""``: unlimited): tc's

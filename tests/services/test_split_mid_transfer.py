@@ -4,12 +4,16 @@ the decode worker's DecodeMany stream open during the hand-off, hears its keepal
 the prefill and retries on the other decode worker with the same prefill worker (the only one). Before, a NIXL
 hand-off waited out the KV lease (no call was open to the decode worker, only UCX traffic) and the retry then
 avoided the prefill worker, so with one prefill worker the request failed after 35 s; over gRPC the transfer
-failed in ~12 s and the retry failed the same way. Per transport, its own cluster; real processes."""
+failed in ~12 s and the retry failed the same way. Per transport, its own cluster; real processes.
+
+Also a prefill and a decode host that lose only each other (both still reach the router): nothing carries pings
+between them, so such a NIXL hand-off ends with the KV lease and is retried on the other prefill worker."""
 
 from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -55,6 +59,8 @@ def test_decode_host_split_off_mid_transfer_is_retried_within_keepalive(cluster,
             warm = [(seed * 17 + 3 * i) % 3000 + 11 for i in range(64)]
             assert client.generate(warm, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids == hf_greedy(
                 model, warm, 4)
+    wait_for(lambda: all(w.kv_blocks_used == 0 for w in workers(cluster["redis"]).values()), 15,
+             "the warm requests' blocks free in the registry")  # else a stale entry names the wrong victim
     for host in ("pa", *DECODE_HOSTS.values()):
         hosts.shape(host, "10mbit")  # 1,500 tokens of the tiny model's KV: 3.1 MB, 2.5 s on this link
     prompt = [(7 + 13 * i) % 3000 + 11 for i in range(1500)]
@@ -83,7 +89,9 @@ def test_decode_host_split_off_mid_transfer_is_retried_within_keepalive(cluster,
         assert result.token_ids == hf_greedy(model, prompt, 8)
         assert result.prefill_worker_id == "prefill-a" and result.decode_worker_id != victim, result
         assert outcome["took_s"] < LEASE_S - 5, outcome  # keepalive (5 s + 5 s), the retry's transfer
-        assert metric(cluster["http"], "pdserve:handoff_retries_total", code="UNAVAILABLE") == 1
+        text = urllib.request.urlopen(f"http://{cluster['http']}/metrics", timeout=10).read().decode()
+        assert metric(cluster["http"], "pdserve:handoff_retries_total", code="UNAVAILABLE") == 1, (
+            result, outcome["took_s"], [line for line in text.splitlines() if "retries" in line])
     finally:
         hosts.heal(DECODE_HOSTS[victim])
     wait_for(lambda: victim in workers(cluster["redis"]) and all(
@@ -101,3 +109,57 @@ def test_decode_host_split_off_mid_transfer_is_retried_within_keepalive(cluster,
             assert result.token_ids == hf_greedy(model, p, 8), seed
             served.add(result.decode_worker_id)
     assert victim in served, served
+
+
+@pytest.fixture(scope="module")
+def two_prefill(tiny_model_dir, tmp_path_factory):
+    """Two prefill workers (NIXL) and one decode worker, on hosts of their own; the router's KV lease short."""
+    model_dir = tiny_model_dir("llama")
+    logs = tmp_path_factory.mktemp("split-pair")
+    flags = ["--kv-cache-memory", "6e7", "--heartbeat-ttl-s", "3", "--threads", "1"]
+    layout = {w: ("prefill", host, [*flags, "--kv-transport", "nixl"]) for w, host in
+              (("prefill-a", "pa"), ("prefill-b", "pb"))}  # fmt: skip
+    layout["decode-a"] = ("decode", "da", [*flags, "--kv-nixl"])
+    with VirtualHosts(["svc", "pa", "pb", "da"]) as hosts:
+        info = start_pdserve(hosts, model_dir, layout, logs, router_args=["--worker-cooldown-s", "1", "--kv-lease-s",
+                                                                          str(PAIR_LEASE_S)])  # fmt: skip
+        try:
+            wait_for(lambda: set(workers(info["redis"])) == set(layout), 180, "every worker registered")
+            wait_for(lambda: metric(info["http"], "pdserve:workers", state="ready") == 3, 60, "router ready")
+        except AssertionError:
+            print_logs(logs)
+            raise
+        yield info | {"hosts": hosts, "model_dir": model_dir}
+
+
+PAIR_LEASE_S = 8.0
+
+
+def test_a_prefill_and_a_decode_host_split_off_each_other_only(two_prefill, hf_reference):
+    """prefill-a and decode-a lose each other but both still reach the router: no call between them carries
+    keepalive pings, so a NIXL hand-off between them ends when the KV lease does (the decode worker answers the
+    release: the retry avoids the prefill worker) and goes through prefill-b; never a hang, stock tokens."""
+    hosts, model = two_prefill["hosts"], hf_reference(two_prefill["model_dir"])
+    hosts.split("pa", "da")
+    try:
+        with Client(two_prefill["router"], timeout_s=60) as client:
+            for seed in range(2):  # the router alternates: one of them goes to prefill-a first
+                p = [(seed * 23 + 3 * i) % 3000 + 11 for i in range(200)]
+                t0 = time.monotonic()
+                result = client.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True)
+                took_s = time.monotonic() - t0
+                assert result.token_ids == hf_greedy(model, p, 8), seed
+                assert result.prefill_worker_id == "prefill-b", result
+                assert took_s < PAIR_LEASE_S + 10, took_s
+        assert metric(two_prefill["http"], "pdserve:handoff_retries_total", code="DEADLINE_EXCEEDED") >= 1
+    finally:
+        hosts.join("pa", "da")
+    time.sleep(1.5)  # prefill-a's suspicion (--worker-cooldown-s 1) over
+    with Client(two_prefill["router"], timeout_s=60) as client:  # joined again: prefill-a hands off again
+        used = set()
+        for seed in range(3):
+            p = [(seed * 41 + 9 * i) % 3000 + 11 for i in range(120)]
+            result = client.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True)
+            assert result.token_ids == hf_greedy(model, p, 8), seed
+            used.add(result.prefill_worker_id)
+    assert "prefill-a" in used, used
