@@ -36,8 +36,8 @@ import torch  # noqa: E402
 from bench_models import model_dir  # noqa: E402
 
 from pdserve.client import Client  # noqa: E402
-from tests.netns_hosts import VirtualHosts, parse_rate, print_logs, start_pdserve, unavailable_reason  # noqa: E402
-from tests.services.probe import metric, wait_for, workers  # noqa: E402
+from tests.netns_hosts import VirtualHosts, parse_rate, start_pdserve, unavailable_reason, wait_serving  # noqa: E402
+from tests.services.probe import metric  # noqa: E402
 
 PREFILL = {"prefill-grpc": "grpc", "prefill-nixl": "nixl"}  # worker id -> --kv-transport
 
@@ -87,13 +87,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as logs, VirtualHosts(["svc", *PREFILL, "decode"]) as hosts:
         info = start_pdserve(hosts, model, layout, Path(logs))
-        try:
-            wait_for(lambda: set(workers(info["redis"])) == set(layout), 300, "every worker registered")
-            wait_for(lambda: metric(info["http"], "pdserve:workers", state="ready") == len(layout), 60,
-                     "the router counts every worker ready")  # fmt: skip
-        except AssertionError:
-            print_logs(Path(logs))
-            raise
+        wait_serving(info, layout, Path(logs), timeout_s=300)
         g = torch.Generator().manual_seed(0)
         for n in lens:  # warm-up: both pairs, each length (first KV channels, kernels, allocations)
             for _ in PREFILL:

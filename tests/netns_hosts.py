@@ -295,6 +295,20 @@ def start_pdserve(hosts: VirtualHosts, model_dir: str, workers: dict[str, tuple[
             "metrics": {w: f"{hosts[host].ip}:{HTTP_PORT}" for w, (_, host, _) in workers.items()}}  # fmt: skip
 
 
+def wait_serving(info: dict, worker_ids, logs: Path, timeout_s: float = 180) -> None:
+    """Until every worker of ``worker_ids`` is registered and the router counts each ready (after
+    :func:`start_pdserve`); the logs printed and AssertionError if not within ``timeout_s``."""
+    from tests.services.probe import metric, wait_for, workers
+
+    try:
+        wait_for(lambda: set(workers(info["redis"])) == set(worker_ids), timeout_s, "every worker registered")
+        wait_for(lambda: metric(info["http"], "pdserve:workers", state="ready") == len(worker_ids), 60,
+                 "the router counts every worker ready")  # fmt: skip
+    except AssertionError:
+        print_logs(logs)
+        raise
+
+
 def print_logs(logs: Path, tail: int = 3000) -> None:
     for path in sorted(Path(logs).iterdir()):
         print(f"--- {path.name}\n{path.read_text(errors='replace')[-tail:]}")

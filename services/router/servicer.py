@@ -162,10 +162,9 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         try:
             await asyncio.wait((prefill, ended), return_when=asyncio.FIRST_COMPLETED)
             if not prefill.done() and ended.result() is not None:
-                call.cancel()
-                raise _DecodeLost(ended.result())
+                raise _DecodeLost(ended.result())  # (the call is cancelled below)
             return await prefill
-        except BaseException:  # (a client that left cancels this task: the call goes with it)
+        except BaseException:  # the decode worker lost, or a client that left cancelled this task
             prefill.cancel()
             call.cancel()
             raise
@@ -369,8 +368,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                     metadata=metadata,
                 ), d.address)  # fmt: skip
             except _DecodeLost as exc:  # the KV's destination is gone: the retry avoids it, not the prefill worker
-                self._release_soon(decode_stub, rid)
-                self.tracker.suspect(d.id)
+                self._release_soon(decode_stub, rid)  # (the retry loop makes it a suspect: UNAVAILABLE)
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"prefill on {p.id} (KV to {d.id}) failed: the decode "
                                    f"worker stopped answering during the hand-off: {exc.error.details()}", d.id)
             except asyncio.CancelledError:  # the client cancelled or disconnected (the call is cancelled too)

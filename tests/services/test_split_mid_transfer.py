@@ -20,7 +20,7 @@ import pytest
 from common.kv_transfer import nixl
 from pdserve.client import Client
 from tests.conftest import hf_greedy
-from tests.netns_hosts import VirtualHosts, print_logs, start_pdserve, unavailable_reason
+from tests.netns_hosts import VirtualHosts, start_pdserve, unavailable_reason, wait_serving
 from tests.services.probe import metric, wait_for, workers
 
 DECODE_HOSTS = {"decode-a": "da", "decode-b": "db"}
@@ -43,12 +43,7 @@ def cluster(request, tiny_model_dir, tmp_path_factory):
     layout |= {w: ("decode", host, [*flags, "--kv-nixl"]) for w, host in DECODE_HOSTS.items()}
     with VirtualHosts(["svc", "pa", *DECODE_HOSTS.values()]) as hosts:
         info = start_pdserve(hosts, model_dir, layout, logs, router_args=["--worker-cooldown-s", "1"])
-        try:
-            wait_for(lambda: set(workers(info["redis"])) == set(layout), 180, "every worker registered")
-            wait_for(lambda: metric(info["http"], "pdserve:workers", state="ready") == 3, 60, "router ready")
-        except AssertionError:
-            print_logs(logs)
-            raise
+        wait_serving(info, layout, logs)
         yield info | {"hosts": hosts, "model_dir": model_dir, "transport": request.param}
 
 
@@ -123,12 +118,7 @@ def two_prefill(tiny_model_dir, tmp_path_factory):
     with VirtualHosts(["svc", "pa", "pb", "da"]) as hosts:
         info = start_pdserve(hosts, model_dir, layout, logs, router_args=["--worker-cooldown-s", "1", "--kv-lease-s",
                                                                           str(PAIR_LEASE_S)])  # fmt: skip
-        try:
-            wait_for(lambda: set(workers(info["redis"])) == set(layout), 180, "every worker registered")
-            wait_for(lambda: metric(info["http"], "pdserve:workers", state="ready") == 3, 60, "router ready")
-        except AssertionError:
-            print_logs(logs)
-            raise
+        wait_serving(info, layout, logs)
         yield info | {"hosts": hosts, "model_dir": model_dir}
 
 
