@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from torch.utils.cpp_extension import get_default_build_root
 
 from tests.deploy.render import VALUE_SETS, Rendered, merge, render
 from tests.redis_server import free_port
@@ -64,7 +65,10 @@ class Pods:
     def env(self, component: str, container: dict) -> dict[str, str]:
         bin_dir = os.path.dirname(sys.executable)  # `pdserve` in a shell line is the venv's
         env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "KUBECONFIG": str(self.root / "no-kubeconfig"),
-               "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "")}
+               "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", ""),
+               # the image's prebuilt CPU kernels (its ENV, not the chart's): here this host's kernel build, else
+               # every worker pod would compile its own into its HOME=/tmp (~35 s of the module's setup)
+               "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()}
         for e in container.get("env", []):
             if "fieldRef" in e.get("valueFrom", {}):
                 continue  # POD_NAME, POD_IP: substituted in the arguments
