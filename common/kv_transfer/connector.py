@@ -43,6 +43,7 @@ reserved blocks itself, so there the blocks may be freed only once ``NixlKVRecei
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import threading
 import time
@@ -202,7 +203,9 @@ class SenderPool:
     Decode workers come and go (autoscaling, restarts) and a channel holds an arena (64 MiB by default): a channel
     whose transport broke (``sender.broken``) or that carried no request for ``idle_s`` is closed when the pool
     is next used (on a thread of its own: closing may wait briefly for unfinished writes). ``idle_s`` must exceed
-    the longest transfer; a request's channel is marked used when it is taken.
+    the longest transfer; a request's channel is marked used when it is taken. A channel is opened outside the
+    pool's lock, once: requests for the same key wait for that opening, others go on (opening a channel to a
+    host that does not answer takes seconds).
     """
 
     def __init__(self, idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -210,19 +213,40 @@ class SenderPool:
         self._clock = clock
         self._lock = threading.Lock()
         self._senders: dict[Hashable, tuple[KVSender, float]] = {}  # key -> (sender, last used)
+        self._opening: dict[Hashable, concurrent.futures.Future] = {}  # key -> its sender or exception, once open
 
     def get(self, key: Hashable, open_sender: Callable[[], KVSender]) -> KVSender:
-        """The channel for ``key``, opened by ``open_sender()`` if there is none (its exceptions propagate)."""
+        """The channel for ``key``, opened by ``open_sender()`` if there is none (its exceptions propagate, to the
+        requests that waited for the same opening too)."""
         now = self._clock()
         with self._lock:
             stale = [k for k, (s, used) in self._senders.items()
                      if getattr(s, "broken", "") or now - used > self.idle_s]  # fmt: skip
             dropped = [self._senders.pop(k)[0] for k in stale]
             entry = self._senders.get(key)
-            sender = entry[0] if entry is not None else open_sender()
-            self._senders[key] = (sender, now)
+            if entry is not None:
+                self._senders[key] = (entry[0], now)
+            opening = self._opening.get(key) if entry is None else None
+            mine = entry is None and opening is None
+            if mine:
+                opening = self._opening[key] = concurrent.futures.Future()
         for old in dropped:
             threading.Thread(target=old.close, name="kv-channel-close", daemon=True).start()
+        if entry is not None:
+            return entry[0]
+        if not mine:
+            return opening.result()  # another request is opening it: its outcome
+        try:
+            sender = open_sender()
+        except BaseException as exc:
+            with self._lock:
+                del self._opening[key]
+            opening.set_exception(exc)
+            raise
+        with self._lock:
+            del self._opening[key]
+            self._senders[key] = (sender, self._clock())
+        opening.set_result(sender)
         return sender
 
     def __len__(self) -> int:

@@ -61,6 +61,27 @@ PROGRESS_THREAD_ENV = "PDSERVE_NIXL_PROGRESS_THREAD"
 MAX_ARENA_BYTES = 256 << 20  # the most landing memory one sender may ask a receiver for
 PEER_IDLE_S = 900.0  # a sender silent this long loses its landing arena (see NixlKVReceiver)
 ARENA_GRACE_S = 60.0  # a dropped sender's landing arena is freed this long after its deregistration
+# A sender's watch for a lost link (``stall_s``, the prefill worker's --kv-write-stall-s): NIXL reports no peer's
+# loss, and a write or note to a host that became unreachable stays in progress (UCX over TCP retransmits) until
+# the request's own timeout. A receiver silent for ``stall_s`` while the sender awaits it (a grant, an ack, a
+# write's completion, a confirmation), plus a second per STALL_MIN_BYTES_PER_S of the writes outstanding (a long
+# prompt's write on a slow link is silent for a while too), breaks the channel: its requests fail at once and
+# are retried. A gRPC transfer has keepalive pings for this.
+STALL_MIN_BYTES_PER_S = 1 << 20
+
+
+# UCX over TCP, unless the environment sets them: a connection to a host that does not answer fails after 2 SYN
+# retransmissions (~7 s; the kernel's default, ~2 min, measured 133 s, blocked the agent, so every channel of the
+# process, inside NIXL's add_remote_agent), and data left unacknowledged for 10 s (a host gone mid-transfer) fails
+# its connection, as gRPC's keepalive does (UCX's own default: never). Measured across virtual hosts
+# (docs/benchmarks.md). RDMA transports have timeouts of their own.
+UCX_TCP_DEFAULTS = {"UCX_TCP_SYN_CNT": "2", "UCX_TCP_USER_TIMEOUT": "10s"}
+
+
+def overdue(stall_s: float, quiet_since_s: float, outstanding_bytes: int, now: float) -> bool:
+    """Whether a receiver quiet since ``quiet_since_s`` with ``outstanding_bytes`` of writes on their way to it is
+    past the stall allowance (never with ``stall_s`` <= 0)."""
+    return stall_s > 0 and now - quiet_since_s > stall_s + outstanding_bytes / STALL_MIN_BYTES_PER_S
 
 # Memory a NIXL write may still reach after its channel ended (a dropped or closed channel's landing arena, the
 # staging arena of a sender closed with writes unfinished): kept alive ARENA_GRACE_S, then let go. A write on its
@@ -142,6 +163,8 @@ def _new_agent(role: str):
     api = nixl_api()
     if api is None:
         raise RuntimeError(unavailable_reason())
+    for key, value in UCX_TCP_DEFAULTS.items():  # read by UCX as the agent starts
+        os.environ.setdefault(key, value)
     name = f"pdserve-kv-{role}-{os.getpid()}-{secrets.token_hex(4)}"
     return name, api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread(), backends=["UCX"]))
 
@@ -160,13 +183,16 @@ class NixlKVSender(SlotSender):
 
     The constructor connects (blocking, at most ``connect_timeout_s``) and raises ConnectionError, leaving
     nothing behind, if the receiver does not answer with a landing arena. ``address`` names the receiver in
-    messages (its agent's name). ``corrupt_next_chunk``: see :class:`~common.kv_transfer.slots.SlotSender`.
+    messages (its agent's name). ``stall_s``: the lost-link watch (:data:`STALL_MIN_BYTES_PER_S`; 0: none).
+    ``corrupt_next_chunk``: see :class:`~common.kv_transfer.slots.SlotSender`.
     """
 
     def __init__(self, metadata: bytes, *, arena_bytes: int = 64 << 20, max_chunk_bytes: int = 4 << 20,
-                 connect_timeout_s: float = 5.0) -> None:  # fmt: skip
+                 connect_timeout_s: float = 5.0, stall_s: float = 0.0) -> None:  # fmt: skip
         slot_bytes, num_slots = self.slot_size(max_chunk_bytes, min(arena_bytes, MAX_ARENA_BYTES))
         size = num_slots * slot_bytes
+        self._stall_s = stall_s  # see STALL_MIN_BYTES_PER_S; 0: no watch
+        self._heard_s = time.monotonic()  # the receiver's last sign of life: a note, a write completed
         self.name, self._agent = _new_agent("send")
         self._lock = threading.Lock()  # one NIXL call at a time from this side's threads
         self._staging = torch.zeros(size, dtype=torch.uint8)
@@ -268,6 +294,7 @@ class NixlKVSender(SlotSender):
             for peer, msg in _notifs(self._agent, self._lock):
                 if peer != self.receiver:
                     continue
+                self._heard_s = time.monotonic()
                 try:
                     note = json.loads(msg)
                     if note.get("op") == "dropped":  # the receiver forgot this channel: the pool opens a new one
@@ -277,6 +304,7 @@ class NixlKVSender(SlotSender):
                 except (ValueError, KeyError, TypeError, AttributeError) as e:
                     self._on_broken(f"protocol error from KV receiver {self.receiver}: {e!r} in {msg[:200]!r}")
             self._check_writes()
+            self._check_silence()
             with self._cond:
                 closed, writing, busy = self._closed, bool(self._handles), bool(self._in_flight or self._handles)
             if closed and (not writing or time.monotonic() > self._closing_until):
@@ -297,10 +325,24 @@ class NixlKVSender(SlotSender):
                 done.append(handle)
                 failed |= state == "ERR"
         if done:
+            self._heard_s = time.monotonic()
             with self._cond:
                 self._handles = [h for h in self._handles if h not in done]
         if failed:
             self._on_broken(f"a NIXL write to KV receiver {self.receiver} failed")
+
+    def _check_silence(self) -> None:
+        """Break the channel when chunks await their acks from a receiver silent past the stall allowance."""
+        now = time.monotonic()
+        with self._cond:
+            if self._broken or not self._in_flight:
+                return
+            since_s = max(self._heard_s, min(sent_s for _, _, sent_s in self._in_flight.values()))
+            outstanding = sum(num_bytes for _, num_bytes, _ in self._in_flight.values())
+            chunks = len(self._in_flight)
+        if overdue(self._stall_s, since_s, outstanding, now):
+            self._on_broken(f"KV receiver {self.receiver} silent for {now - since_s:.1f}s with {chunks} chunks "
+                            f"unacknowledged (--kv-write-stall-s {self._stall_s:g}): its link is lost")
 
 
 # -- decode side -----------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from common.engine.kv_cache import PagedKVCache
 from common.engine.omp_teams import run_serially
 from common.kv_transfer.blocks import CacheLayout, CacheRegion, layer_checksum, on_stream, side_stream, write_descs
 from common.kv_transfer.connector import TransferResult, TransferState
-from common.kv_transfer.nixl import _AWAIT_POLL_S, _IDLE_POLL_S, _POLL_S, _new_agent
+from common.kv_transfer.nixl import _AWAIT_POLL_S, _IDLE_POLL_S, _POLL_S, _new_agent, overdue
 from common.kv_transfer.slots import _Transfer, encode
 from common.kv_transfer.wire import WIRE_VERSION, encode_request_id
 
@@ -85,6 +85,8 @@ class _Outgoing(_Transfer):
     waiting: list[tuple[int, np.ndarray, object]] = field(default_factory=list)  # layers computed, not posted
     sums: dict[int, int] = field(default_factory=dict)  # layer -> checksum, of the layers posted
     handles: list = field(default_factory=list)  # posted WRITEs not yet complete
+    sizes: list[int] = field(default_factory=list)  # their bytes, as handles
+    posted_s: float = 0.0  # when the oldest of them was posted
     descs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # source ids, layer 0's local and remote descs
     told: bool = False  # quiet said (it failed, and nothing of it is in flight)
     forgotten: bool = False  # finish() returned: the record goes once nothing of it is in flight
@@ -175,11 +177,15 @@ class NixlBlockSender:
     behind. Verbs as
     :class:`~common.kv_transfer.connector.KVSender`'s, but a request starts with :meth:`claim` and sends its layers
     by block id (:meth:`send_blocks`), not as tensors. ``corrupt_next_layer`` is a TEST-ONLY switch: the next layer
-    gets one byte of its first block flipped in the source cache after its checksum was taken.
+    gets one byte of its first block flipped in the source cache after its checksum was taken. ``stall_s``: the
+    lost-link watch (:data:`~common.kv_transfer.nixl.STALL_MIN_BYTES_PER_S`; 0: none): a receiver that stays silent
+    while a grant, a write's completion or a confirmation is awaited breaks the channel.
     """
 
     def __init__(self, metadata: bytes, endpoint: BlockEndpoint | PagedKVCache, *,
-                 connect_timeout_s: float = 5.0) -> None:  # fmt: skip
+                 connect_timeout_s: float = 5.0, stall_s: float = 0.0) -> None:  # fmt: skip
+        self._stall_s = stall_s
+        self._heard_s = time.monotonic()  # the receiver's last sign of life: a note, a write completed
         self._own_endpoint = isinstance(endpoint, PagedKVCache)
         self._endpoint = endpoint = BlockEndpoint(endpoint) if self._own_endpoint else endpoint
         self.layout, self.region, self.name = endpoint.layout, endpoint.region, endpoint.name
@@ -369,6 +375,7 @@ class NixlBlockSender:
                 self._on_note(msg)
             self._post_waiting()
             self._check_writes()
+            self._check_silence()
             poll_s = self._tell()
             with self._cond:
                 closed, writing = self._closed, any(t.handles for t in self._transfers.values())
@@ -444,13 +451,17 @@ class NixlBlockSender:
             return
         with self._cond:
             transfer.sums.update(zip(numbers, sums, strict=True))
+            if not transfer.handles:
+                transfer.posted_s = time.monotonic()
             transfer.handles.append(handle)
+            transfer.sizes.append(int(sum(int(d[:, 1].sum()) for d in local)))
             if transfer.state is TransferState.PENDING:
                 transfer.state = TransferState.TRANSFERRING
         if state == "ERR":
             self._on_broken(f"NIXL write to KV receiver {self.receiver} failed")
 
     def _on_note(self, msg: bytes) -> None:
+        self._heard_s = time.monotonic()
         try:
             note = json.loads(msg)
             op = note["op"]
@@ -490,10 +501,40 @@ class NixlBlockSender:
                     self._agent.release_xfer_handle(handle)
             if state in ("DONE", "ERR"):
                 failed |= state == "ERR"
+                self._heard_s = time.monotonic()
                 with self._cond:
+                    del transfer.sizes[transfer.handles.index(handle)]
                     transfer.handles.remove(handle)
         if failed:
             self._on_broken(f"a NIXL write to KV receiver {self.receiver} failed")
+
+    def _check_silence(self) -> None:
+        """Break the channel when the receiver stays silent past the stall allowance while something of it is
+        awaited: a grant, a posted write's completion, the confirmation of a request whose layers all went (not a
+        granted request whose layers the engine is still computing)."""
+        now = time.monotonic()
+        late = ""
+        with self._cond:
+            if self._broken:
+                return
+            for request_id, t in self._transfers.items():
+                if t.state.is_terminal:
+                    continue
+                if t.write_until_s is None:
+                    since_s, outstanding, what = t.claim_sent_s, 0, "its grant"
+                elif t.handles:
+                    since_s, outstanding, what = t.posted_s, sum(t.sizes), f"{len(t.handles)} writes"
+                elif len(t.sums) == t.num_layers:
+                    since_s, outstanding, what = 0.0, 0, "its confirmation"
+                else:
+                    continue  # layers still to come from the engine
+                since_s = max(since_s, self._heard_s)
+                if overdue(self._stall_s, since_s, outstanding, now):
+                    late = (f"KV receiver {self.receiver} silent for {now - since_s:.1f}s while request {request_id!r} "
+                            f"awaited {what} (--kv-write-stall-s {self._stall_s:g}): its link is lost")
+                    break
+        if late:
+            self._on_broken(late)
 
     def _tell(self) -> float:
         """Say ``quiet`` for requests that failed once their writes completed; forget what finish() returned and

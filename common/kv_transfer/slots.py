@@ -113,7 +113,7 @@ class SlotSender(KVSender):
         self._arena_view = arena_view
         self._cond = threading.Condition()
         self._free_slots = [i * slot_bytes for i in range(len(arena_view) // slot_bytes)]  # arena offsets
-        self._in_flight: dict[int, tuple[str, int]] = {}  # slot offset -> (request id, payload bytes)
+        self._in_flight: dict[int, tuple[str, int, float]] = {}  # slot offset -> (request id, payload bytes, sent at)
         self._transfers: dict[str, _Outgoing] = {}
         self._broken = ""  # why the channel is unusable, once it is
         self._closed = False
@@ -242,7 +242,7 @@ class SlotSender(KVSender):
                 self.corrupt_next_chunk = False
                 self._arena_view[offset + len(chunk.header_buf)] ^= 0xFF
             with self._cond:
-                self._in_flight[offset] = (item.request_id, chunk.header.payload_bytes)
+                self._in_flight[offset] = (item.request_id, chunk.header.payload_bytes, time.monotonic())
                 transfer.next_seq = chunk.header.seq + 1
                 if transfer.state is TransferState.PENDING:
                     transfer.state = TransferState.TRANSFERRING
@@ -253,7 +253,7 @@ class SlotSender(KVSender):
     def _on_message(self, msg: dict) -> None:
         with self._cond:
             if msg["op"] == "ack":
-                request_id, num_bytes = self._in_flight.pop(msg["offset"])
+                request_id, num_bytes, _ = self._in_flight.pop(msg["offset"])
                 self._free_slots.append(msg["offset"])
                 if (transfer := self._transfers.get(request_id)) is not None:
                     transfer.num_bytes += num_bytes

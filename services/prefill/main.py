@@ -27,6 +27,7 @@ def make_parts(config: WorkerConfig):
             generation_config=loop.engine.loaded.generation_config,
             default_max_tokens=config.default_max_tokens,
             transfer_timeout_s=config.kv_transfer_timeout_s,
+            write_stall_s=config.kv_write_stall_s,
             chunk_bytes=config.kv_chunk_bytes,
             corrupt_chunk_seq=config.test_corrupt_kv_chunk,
             stall_chunk_seq=config.test_stall_kv_chunk,

@@ -44,6 +44,23 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+REACH_TIMEOUT_S = 3.0  # a host that is there answers a TCP connect in milliseconds; 3 s covers two lost SYNs
+
+
+class _Unreachable(ConnectionError):
+    """The decode worker does not answer a TCP connect from here: no channel of any transport would reach it."""
+
+
+def _reachable(address: str, timeout_s: float) -> str:
+    """'' when a TCP connection to ``address`` (host:port, IPv6 in brackets) opens within ``timeout_s``, else why
+    not."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return ""
+    except (OSError, ValueError) as exc:
+        return f"no TCP connection to {address} within {timeout_s:g}s ({exc})"
+
 
 class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     def __init__(
@@ -54,6 +71,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         generation_config,
         default_max_tokens: int,
         transfer_timeout_s: float = 30.0,
+        write_stall_s: float = 10.0,
         chunk_bytes: int = 4 << 20,
         prefill_timeout_s: float = 600.0,
         corrupt_chunk_seq: int | None = None,
@@ -68,12 +86,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         """``kv_transport``: "grpc"; "shm" to use shared memory with decode workers on this host; "nixl" to use NIXL
         writes with decode workers that offer a NIXL endpoint (any host). Each falls back to gRPC.
         ``draining``: True once the worker is stopping; new prefills are then refused (running ones finish).
-        ``kv_tls``: the KV channels to decode workers use mutual TLS with these files (None: plaintext)."""
+        ``kv_tls``: the KV channels to decode workers use mutual TLS with these files (None: plaintext).
+        ``write_stall_s``: a NIXL channel's lost-link watch (:data:`~common.kv_transfer.nixl.STALL_MIN_BYTES_PER_S`)."""
         self.loop = loop
         self.identity = identity
         self.generation_config = generation_config
         self.default_max_tokens = default_max_tokens
         self.transfer_timeout_s = transfer_timeout_s
+        self.write_stall_s = write_stall_s
         self.chunk_bytes = chunk_bytes
         self.prefill_timeout_s = prefill_timeout_s
         self.corrupt_chunk_seq = corrupt_chunk_seq
@@ -144,7 +164,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         if pending >= self.max_pending_requests:  # a bounded queue: the router tries another worker
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"prefill worker full: {pending} requests pending (--max-pending-requests)")
-        sender = self._sender_for(rid, request)
+        try:
+            sender = self._sender_for(rid, request)
+        except _Unreachable as exc:
+            if self.metrics is not None:
+                self.metrics.count_kv_failure(grpc.StatusCode.UNAVAILABLE.name)
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self._senders[rid] = sender
         try:
             return self._prefill(rid, list(request.prompt_token_ids), sampling, sender, request, context)
@@ -236,10 +261,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             if shm is not None:
                 return _ConnectorRequest(shm, rid, "shm")
         if self.kv_transport == "nixl" and request.kv_nixl_metadata:
-            channel = self._connector("nixl", request.kv_nixl_metadata)
+            channel = self._connector("nixl", request.kv_nixl_metadata, request.kv_target_address)
             if isinstance(channel, NixlBlockSender) and request.kv_block_ids:
+                blocks, num_layers = list(request.kv_block_ids), self.loop.engine.kv_spec.num_layers
                 try:
-                    return _BlockRequest(channel, rid, list(request.kv_block_ids), self.loop.engine.kv_spec.num_layers)
+                    claimed = _BlockRequest(channel, rid, blocks, num_layers)
+                    if channel.broken:  # its connection died while idle (the decode host was away a while): once
+                        log.info("NIXL KV channel to %s found broken (%s); opening a new one",
+                                 request.kv_target_address, channel.broken)  # fmt: skip
+                        channel = self._connector("nixl", request.kv_nixl_metadata, request.kv_target_address)
+                        if isinstance(channel, NixlBlockSender):
+                            claimed = _BlockRequest(channel, rid, blocks, num_layers)
+                    return claimed
                 except (ValueError, RuntimeError) as exc:  # a claim the channel cannot make (closed meanwhile)
                     log.warning("no NIXL block transfer for %s (%s); using gRPC", rid, exc)
             elif channel is not None and not isinstance(channel, NixlBlockSender):
@@ -255,23 +288,29 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             metadata=self.tracing.outgoing_metadata(),
         )
 
-    def _connector(self, transport: str, endpoint: str | bytes) -> KVSender | NixlBlockSender | None:
+    def _connector(self, transport: str, endpoint: str | bytes, target: str = "") -> KVSender | NixlBlockSender | None:
         """The channel to a decode worker's shared-memory socket or NIXL agent (opened on first use, kept while in
         use: :class:`~common.kv_transfer.connector.SenderPool`), or None (logged) when it cannot be opened: the
-        request then goes by gRPC."""
+        request then goes by gRPC. Before a NIXL channel opens, the decode worker's gRPC address ``target`` must
+        take a TCP connection (NIXL's own connect to a host that does not answer holds the agent, so every other
+        channel, for seconds): :class:`_Unreachable` if not, which no transport would get through either."""
 
         def open_sender() -> KVSender | NixlBlockSender:
             if transport == "shm":
                 return ShmKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
+            if target and (why := _reachable(target, REACH_TIMEOUT_S)):
+                raise _Unreachable(f"decode worker at {target} unreachable from this prefill worker: {why}")
             if self.stream_layers and blocks_enabled():  # straight from this cache into the reserved blocks
                 try:
-                    return NixlBlockSender(endpoint, self._blocks_endpoint())
+                    return NixlBlockSender(endpoint, self._blocks_endpoint(), stall_s=self.write_stall_s)
                 except BlocksRefused as exc:
                     log.info("NIXL KV by arena, not by block: %s", exc)
-            return NixlKVSender(endpoint, max_chunk_bytes=self.chunk_bytes)
+            return NixlKVSender(endpoint, max_chunk_bytes=self.chunk_bytes, stall_s=self.write_stall_s)
 
         try:
             return self._connectors.get((transport, endpoint), open_sender)
+        except _Unreachable:
+            raise
         except (ConnectionError, RuntimeError) as exc:
             log.warning("no %s KV channel to the decode worker (%s); using gRPC", transport, exc)
             return None

@@ -85,6 +85,12 @@ class WorkerConfig:
                                   "0.1 s (1: every token as it comes; more: fewer messages, less CPU per token)")
     )
     kv_transfer_timeout_s: float = field(default=30.0, metadata=_help("prefill: longest wait for KV acknowledgement"))
+    kv_write_stall_s: float = field(
+        default=10.0,
+        metadata=_help("prefill, NIXL: a decode worker silent this long (plus 1 s per MiB of writes outstanding) while "
+                       "a KV grant, write or confirmation is awaited ends the channel and fails its transfers for a "
+                       "retry (a lost link; gRPC transfers have keepalive pings); 0: only --kv-transfer-timeout-s"),
+    )
     kv_chunk_bytes: int = field(default=4 << 20, metadata=_help("prefill: largest KV chunk on the wire"))
     kv_transport: str = field(
         default="grpc",

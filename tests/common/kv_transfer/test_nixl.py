@@ -219,3 +219,36 @@ def test_a_silent_sender_loses_its_arena_and_a_new_channel_works():
         again.close()
     finally:
         receiver.close()
+
+
+def test_a_receiver_gone_silent_breaks_the_channel_within_the_stall_allowance(monkeypatch):
+    """NIXL tells a sender nothing when its receiver's host drops off the network (its writes and notes stay in
+    progress): chunks left unacknowledged past ``stall_s`` (plus a second per MiB of them) break the channel,
+    and the request fails then, not at its own timeout. Without the watch it waits for that timeout."""
+    receiver = nixl.NixlKVReceiver()
+    senders = []
+    try:
+        for stall_s, timeout_s in ((0.5, 20.0), (0.0, 2.0)):
+            sender = nixl.NixlKVSender(receiver.metadata, arena_bytes=4 * CHUNK_BYTES, max_chunk_bytes=CHUNK_BYTES,
+                                       stall_s=stall_s)  # fmt: skip
+            senders.append(sender)
+            monkeypatch.setattr(receiver, "_on_note", lambda name, msg: None)  # deaf from now on: no ack comes
+            rid = f"req-{len(senders)}"
+            receiver.expect(rid, NUM_LAYERS, NUM_BLOCKS, SPEC, KVBuffer().write, deadline_s=30.0)
+            start = time.monotonic()
+            send(sender, rid, make_layers())
+            result = sender.finish(rid, timeout_s=timeout_s)
+            took_s = time.monotonic() - start
+            assert result.state is TransferState.FAILED
+            if stall_s:  # 4 chunks of 32 KiB unacknowledged: 0.5 s + 0.125 s
+                assert 0.5 < took_s < 3.0, took_s
+                assert "silent for" in result.error and "chunks unacknowledged" in result.error, result.error
+                assert sender.broken == result.error
+            else:
+                assert took_s >= timeout_s and result.error.startswith(f"KV of request '{rid}' not confirmed")
+                assert not sender.broken
+            monkeypatch.undo()
+    finally:
+        for sender in senders:
+            sender.close()
+        receiver.close()

@@ -331,3 +331,47 @@ def test_two_processes_move_the_blocks_bit_for_bit():
     assert (state, error) == ("done", "")
     assert received == blocks_of(src, SRC_BLOCKS).numpy().tobytes()
     assert proc.exitcode == 0
+
+
+@needs_nixl
+def test_a_receiver_gone_silent_breaks_the_channel_but_a_long_prefill_does_not(monkeypatch):
+    """The lost-link watch (``stall_s``): a receiver silent while the sender awaits a grant, or the confirmation of
+    a request whose layers all went, breaks the channel past ``stall_s``; a granted request whose layers the
+    engine is still computing awaits nothing of the receiver, however long that takes."""
+    src, dst = random_cache(12, 0), random_cache(32, 1)
+    receiver = nixl.NixlKVReceiver(kv_cache=dst)
+    endpoint = nixl_blocks.BlockEndpoint(src)
+    try:
+        sender = nixl_blocks.NixlBlockSender(receiver.metadata, endpoint, stall_s=0.3)
+        expect(receiver, "req-slow", DST_BLOCKS)
+        sender.claim("req-slow", DST_BLOCKS, SPEC.num_layers)
+        assert wait_until(lambda: receiver.writing("req-slow"))  # granted
+        time.sleep(1.0)  # the prompt's layers take a while
+        for layer in range(SPEC.num_layers):
+            sender.send_blocks("req-slow", layer, SRC_BLOCKS)
+        assert sender.finish("req-slow", timeout_s=10.0).state is TransferState.DONE
+        assert not sender.broken
+
+        for what, deaf_after_grant in (("its grant", False), ("its confirmation", True)):
+            rid = f"req-{what.split()[1]}"
+            expect(receiver, rid, [0, 1])
+            if not deaf_after_grant:
+                monkeypatch.setattr(receiver, "_on_note", lambda name, msg: None)
+            start = time.monotonic()
+            sender.claim(rid, [0, 1], SPEC.num_layers)
+            if deaf_after_grant:  # the writes go (one-sided), their note and the answer do not
+                assert wait_until(lambda rid=rid: receiver.writing(rid))
+                monkeypatch.setattr(receiver, "_on_note", lambda name, msg: None)
+                for layer in range(SPEC.num_layers):
+                    sender.send_blocks(rid, layer, [3, 4])
+            result = sender.finish(rid, timeout_s=20.0)
+            assert result.state is TransferState.FAILED and time.monotonic() - start < 3.0, result
+            assert "silent for" in result.error and f"awaited {what}" in result.error, result.error
+            assert sender.broken == result.error
+            sender.close()
+            monkeypatch.undo()
+            sender = nixl_blocks.NixlBlockSender(receiver.metadata, endpoint, stall_s=0.3)  # a new channel works
+    finally:
+        sender.close()
+        receiver.close()
+        endpoint.close()

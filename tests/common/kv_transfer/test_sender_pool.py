@@ -62,3 +62,48 @@ def test_an_endpoint_that_cannot_be_opened_leaves_nothing():
     with pytest.raises(ConnectionError):
         pool.get(("nixl", b"gone"), refuse)
     assert len(pool) == 0
+
+
+def test_a_slow_opening_holds_only_the_requests_for_its_own_endpoint():
+    """Opening a channel to a decode worker that does not answer takes seconds: requests for other decode workers
+    go on meanwhile; those for the same one wait for that opening and share its channel or its error."""
+    import threading
+
+    pool = SenderPool()
+    release, results = threading.Event(), {}
+
+    def slow(name: str, error: Exception | None = None):
+        def open_sender():
+            release.wait(10)
+            if error is not None:
+                raise error
+            return FakeSender(name)
+        return open_sender
+
+    def get(tag: str, key, open_sender) -> None:
+        try:
+            results[tag] = pool.get(key, open_sender)
+        except ConnectionError as exc:
+            results[tag] = exc
+
+    threads = [threading.Thread(target=get, args=("slow-1", "A", slow("a"))),
+               threading.Thread(target=get, args=("bad-1", "B", slow("b", ConnectionError("no answer"))))]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    threads += [threading.Thread(target=get, args=("slow-2", "A", slow("a-again"))),
+                threading.Thread(target=get, args=("bad-2", "B", slow("b-again")))]
+    for t in threads[2:]:
+        t.start()
+    start = time.monotonic()
+    assert pool.get("C", lambda: FakeSender("c")).name == "c"  # not held by A's or B's opening
+    assert time.monotonic() - start < 0.5
+    time.sleep(0.1)
+    assert not results  # A and B still opening: their requests wait
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert results["slow-1"] is results["slow-2"] and results["slow-1"].name == "a"  # one opening, one channel
+    assert isinstance(results["bad-1"], ConnectionError) and results["bad-2"] is results["bad-1"]
+    assert pool.get("B", lambda: FakeSender("b-later")).name == "b-later"  # a failed opening is not remembered
+    assert len(pool) == 3
