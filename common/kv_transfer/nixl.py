@@ -20,7 +20,8 @@ The life cycle of a channel and of a chunk:
    that ends in error breaks the channel, failing its requests.
 
 No listener: metadata go through the services' own calls, and the UCX traffic of the writes. NIXL tells neither
-side when the other is gone: the receiver's deadlines and the sender's ``finish`` timeout end such transfers, and
+side when the other is gone: the receiver's deadlines, the sender's watch of the receiver's silence (``stall_s``)
+and its ``finish`` timeout end such transfers, and
 a sender silent for ``peer_idle_s`` (15 minutes) loses its landing arena (it is told ``dropped``; one still there
 opens a new channel). A closing sender says ``bye`` after its last write completed; a dropped arena is
 deregistered at once and its memory freed a minute later, so a write still on its way never lands in memory the
@@ -68,8 +69,6 @@ ARENA_GRACE_S = 60.0  # a dropped sender's landing arena is freed this long afte
 # prompt's write on a slow link is silent for a while too), breaks the channel: its requests fail at once and
 # are retried. A gRPC transfer has keepalive pings for this.
 STALL_MIN_BYTES_PER_S = 1 << 20
-
-
 # UCX over TCP, unless the environment sets them: a connection to a host that does not answer fails after 2 SYN
 # retransmissions (~7 s; the kernel's default, ~2 min, measured 133 s, blocked the agent, so every channel of the
 # process, inside NIXL's add_remote_agent), and data left unacknowledged for 10 s (a host gone mid-transfer) fails
@@ -82,6 +81,7 @@ def overdue(stall_s: float, quiet_since_s: float, outstanding_bytes: int, now: f
     """Whether a receiver quiet since ``quiet_since_s`` with ``outstanding_bytes`` of writes on their way to it is
     past the stall allowance (never with ``stall_s`` <= 0)."""
     return stall_s > 0 and now - quiet_since_s > stall_s + outstanding_bytes / STALL_MIN_BYTES_PER_S
+
 
 # Memory a NIXL write may still reach after its channel ended (a dropped or closed channel's landing arena, the
 # staging arena of a sender closed with writes unfinished): kept alive ARENA_GRACE_S, then let go. A write on its
