@@ -69,12 +69,14 @@ ARENA_GRACE_S = 60.0  # a dropped sender's landing arena is freed this long afte
 # prompt's write on a slow link is silent for a while too), breaks the channel: its requests fail at once and
 # are retried. A gRPC transfer has keepalive pings for this.
 STALL_MIN_BYTES_PER_S = 1 << 20
-# UCX over TCP, unless the environment sets them: a connection to a host that does not answer fails after 2 SYN
-# retransmissions (~7 s; the kernel's default, ~2 min, measured 133 s, blocked the agent, so every channel of the
-# process, inside NIXL's add_remote_agent), and data left unacknowledged for 10 s (a host gone mid-transfer) fails
-# its connection, as gRPC's keepalive does (UCX's own default: never). Measured across virtual hosts
-# (docs/benchmarks.md). RDMA transports have timeouts of their own.
-UCX_TCP_DEFAULTS = {"UCX_TCP_SYN_CNT": "2", "UCX_TCP_USER_TIMEOUT": "10s"}
+# UCX over TCP, unless the environment sets it: a connection to a host that does not answer fails after 2 SYN
+# retransmissions (~7 s; with the kernel's default, measured 133 s, NIXL's add_remote_agent held the agent, so
+# every channel of the process). Not UCX_TCP_USER_TIMEOUT: it ends an established connection whose peer is away
+# a while (6.0 s with 5s), but one kept survives the split and serves once it heals, where a killed one failed
+# the first hand-offs after it (their channels looked fine until a later send); the silence watch above ends the
+# transfers meanwhile. Measured across virtual hosts (docs/benchmarks.md). RDMA transports have timeouts of their
+# own.
+UCX_TCP_DEFAULTS = {"UCX_TCP_SYN_CNT": "2"}
 
 
 def overdue(stall_s: float, quiet_since_s: float, outstanding_bytes: int, now: float) -> bool:

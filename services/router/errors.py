@@ -6,7 +6,13 @@ import grpc
 
 
 class HandoffError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, worker_id: str) -> None:
+    """A failed attempt, before the first token: ``worker_id`` is the worker the retry avoids ('' when there was no
+    pair to try); ``other_id``, the other worker of the pair, which the retry avoids instead when no other worker
+    can stand in for ``worker_id`` (a pair-specific failure with a pool of one: one prefill worker that cannot hand
+    off to one of several decode workers)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, worker_id: str, other_id: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.worker_id = worker_id
+        self.other_id = other_id

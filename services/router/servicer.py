@@ -253,6 +253,14 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                                                  outcome.decode_id)
                     return
                 except HandoffError as exc:
+                    if not exc.worker_id and last_error is not None and last_error.other_id not in ("", *excluded):
+                        # no stand-in for the worker the retry avoided: avoid the other one of the pair instead
+                        log.info("request %s: no worker other than %s; the retry avoids %s instead", rid,
+                                 last_error.worker_id, last_error.other_id)  # fmt: skip
+                        excluded.discard(last_error.worker_id)
+                        excluded.add(last_error.other_id)
+                        last_error = HandoffError(last_error.code, str(last_error), last_error.other_id)
+                        continue
                     if not exc.worker_id and last_error is not None:  # no other pair: report the real failure
                         last_error = HandoffError(last_error.code,
                                                   f"{last_error} (no other worker pair to retry on)",
@@ -386,9 +394,10 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                                f"(--kv-lease-s {self.config.kv_lease_s:g}): the prefill or its KV transfer stalled")
                 # The retry avoids the decode worker when it does not answer either (the transfer failed on its
                 # side: the prefill worker may well be the only one), else this prefill worker (a corrupt or late
-                # transfer starts at the sender as often as anywhere; the decode worker may be the only one).
+                # transfer starts at the sender as often as anywhere; the decode worker may be the only one), or
+                # the decode worker when this prefill worker is the only one (a pair that cannot reach each other).
                 raise HandoffError(exc.code(), f"prefill on {p.id} (KV to {d.id}) failed: {details}",
-                                   p.id if decode_answers else d.id)  # fmt: skip
+                                   p.id if decode_answers else d.id, d.id if decode_answers else "")  # fmt: skip
             finally:
                 self.tracker.release(p.id)
                 prefill_released = True

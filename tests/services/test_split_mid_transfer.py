@@ -45,7 +45,7 @@ def cluster(request, tiny_model_dir, tmp_path_factory):
     with VirtualHosts(["svc", "pa", *DECODE_HOSTS.values()]) as hosts:
         info = start_pdserve(hosts, model_dir, layout, logs, router_args=["--worker-cooldown-s", "1"])
         wait_serving(info, layout, logs)
-        yield info | {"hosts": hosts, "model_dir": model_dir, "transport": request.param}
+        yield info | {"hosts": hosts, "model_dir": model_dir, "transport": request.param, "logs": logs}
 
 
 def test_decode_host_split_off_mid_transfer_is_retried_within_keepalive(cluster, hf_reference):
@@ -105,6 +105,35 @@ def test_decode_host_split_off_mid_transfer_is_retried_within_keepalive(cluster,
             assert result.token_ids == hf_greedy(model, p, 8), seed
             served.add(result.decode_worker_id)
     assert victim in served, served
+
+
+def test_a_lone_prefill_worker_that_cannot_reach_one_decode_worker_hands_off_to_the_other(cluster, hf_reference):
+    """One prefill worker, two decode workers; the prefill host loses only decode-a's host. A hand-off to decode-a
+    fails (its NIXL channel finds decode-a silent, or a new one finds it unreachable); decode-a answers the
+    router's release, so the retry would avoid the prefill worker, the only one: it avoids decode-a instead, and
+    every request ends on decode-b with stock tokens (before: "no other worker pair to retry on")."""
+    if cluster["transport"] != "nixl":
+        pytest.skip("the router's choice is the transport's business only in how long the failure takes (gRPC's "
+                    "connect to an unanswering host: ~20 s)")  # fmt: skip
+    hosts, model = cluster["hosts"], hf_reference(cluster["model_dir"])
+    wait_for(lambda: set(DECODE_HOSTS) <= set(workers(cluster["redis"])), 30, "both decode workers registered")
+    hosts.split("pa", DECODE_HOSTS["decode-a"])
+    swapped = "the retry avoids decode-a instead"
+    try:
+        with Client(cluster["router"], timeout_s=90) as client:
+            for seed in range(6):  # until a request went to decode-a first (the router spreads them)
+                p = [(seed * 37 + 11 * i) % 3000 + 11 for i in range(150)]
+                t0 = time.monotonic()
+                result = client.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True)
+                took_s = time.monotonic() - t0
+                assert result.token_ids == hf_greedy(model, p, 8), seed
+                assert (result.prefill_worker_id, result.decode_worker_id) == ("prefill-a", "decode-b"), result
+                assert took_s < 10 + 8, took_s  # --kv-write-stall-s's default, the retry
+                if swapped in (cluster["logs"] / "router.log").read_text():
+                    break
+        assert swapped in (cluster["logs"] / "router.log").read_text()
+    finally:
+        hosts.join("pa", DECODE_HOSTS["decode-a"])
 
 
 @pytest.fixture(scope="module")
