@@ -26,7 +26,7 @@ MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.Status
 
 
 class DecodeStreamMixin:
-    async def _serve_local(self, rid, prompt_ids, sampling_msg, deadline_s, context, timer, d, reason: str,
+    async def _serve_local(self, rid, wid, prompt_ids, sampling_msg, deadline_s, context, timer, d, reason: str,
                            outcome):
         """Conditional disaggregation: the decode worker prefills the prompt itself (``prefill_here``)."""
         decode_stub = worker_pb2_grpc.DecodeServiceStub(self._channel(d.address))
@@ -36,9 +36,9 @@ class DecodeStreamMixin:
             await self._record_update(rid, status="decoding", decode_worker_id=d.id, route_reason=reason,
                                       routed_at=now, decode_started_at=now)
             call = self._decode_call(d.address, worker_pb2.DecodeRequest(
-                request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg, prefill_here=True),
+                request_id=wid, prompt_token_ids=prompt_ids, sampling=sampling_msg, prefill_here=True),
                 deadline_s, self.tracing.outgoing_metadata())  # fmt: skip
-            async with aclosing(self._relay(rid, call, decode_stub, d.id, "", prompt_ids, 0, timer, context,
+            async with aclosing(self._relay(rid, wid, call, decode_stub, d.id, "", prompt_ids, 0, timer, context,
                                             sampling_msg, deadline_s)) as messages:  # fmt: skip
                 async for message in messages:
                     yield message
@@ -46,13 +46,14 @@ class DecodeStreamMixin:
         finally:
             self.tracker.release(d.id)
 
-    async def _relay(self, rid, call, decode_stub, d_id: str, p_id: str, prompt_ids: list[int], emitted: int,
+    async def _relay(self, rid, wid, call, decode_stub, d_id: str, p_id: str, prompt_ids: list[int], emitted: int,
                      timer: RequestTimer, context, sampling_msg, deadline_s: float):
         """Relay a Decode stream to the client, then the last message. A failure before any token reached
         the client (a local prefill) raises HandoffError. After that, a decode worker that fails (it died)
         hands the request to another one, at most ``--max-migrations`` times: the new one prefills the prompt
         and the tokens already sent, then continues, so the client sees one stream; else the call ends. A client
-        that leaves (the stream closed or its task cancelled) cancels the Decode call."""
+        that leaves (the stream closed or its task cancelled) cancels the Decode call. ``rid``: the client's id (its
+        messages, the record); ``wid``: the attempt's at the workers."""
         finish = types_pb2.FINISH_REASON_UNSPECIFIED
         sent, migrations, failed, held = emitted > 0, 0, set(), []
         try:
@@ -71,7 +72,7 @@ class DecodeStreamMixin:
                             yield message
                     break
                 except grpc.RpcError as exc:
-                    await self._release(decode_stub, rid)  # the call may have ended before the worker admitted it
+                    await self._release(decode_stub, wid)  # the call may have ended before the worker admitted it
                     if not sent and exc.code() is not grpc.StatusCode.CANCELLED:
                         raise HandoffError(exc.code(), f"decode worker {d_id} could not serve it: {exc.details()}",
                                            d_id)  # fmt: skip
@@ -80,7 +81,7 @@ class DecodeStreamMixin:
                         self.tracker.suspect(d_id)  # it died or hangs: new requests avoid it too
                     moved = None
                     if exc.code() in MIGRATABLE and migrations < self.config.max_migrations:
-                        moved = self._migrate(rid, prompt_ids, timer.token_ids, sampling_msg, deadline_s, failed)
+                        moved = self._migrate(wid, prompt_ids, timer.token_ids, sampling_msg, deadline_s, failed)
                     if moved is None:
                         status = "aborted" if exc.code() is grpc.StatusCode.CANCELLED else "failed"
                         await self._record_finish(rid, status, timer, emitted, error=exc.details() or "")
@@ -95,7 +96,7 @@ class DecodeStreamMixin:
                     await self._record_update(rid, decode_worker_id=d_id, num_migrations=migrations)
         except (GeneratorExit, asyncio.CancelledError):  # the client left: stop decoding; the cancelled Decode
             call.cancel()  # may never have reached the worker: free the reservation too
-            self._release_soon(decode_stub, rid)
+            self._release_soon(decode_stub, wid)
             raise
         finally:
             for worker_id in held:
@@ -105,7 +106,7 @@ class DecodeStreamMixin:
         yield last
         await self._record_finish(rid, "finished", timer, emitted, finish)
 
-    def _migrate(self, rid, prompt_ids, sent_ids, sampling_msg, deadline_s, failed: set[str]):
+    def _migrate(self, wid, prompt_ids, sent_ids, sampling_msg, deadline_s, failed: set[str]):
         """Continue a request on another decode worker: (call, stub, worker id), or None if none is left."""
         choice = pick_decode(self.view.workers(), self.tracker, failed)
         if choice is None:
@@ -116,7 +117,7 @@ class DecodeStreamMixin:
         stub = worker_pb2_grpc.DecodeServiceStub(self._channel(choice.worker.address))
         self.tracker.acquire(choice.worker.id)
         call = self._decode_call(choice.worker.address, worker_pb2.DecodeRequest(
-            request_id=rid, prompt_token_ids=list(prompt_ids) + list(sent_ids), sampling=sampling, prefill_here=True),
+            request_id=wid, prompt_token_ids=list(prompt_ids) + list(sent_ids), sampling=sampling, prefill_here=True),
             deadline_s, self.tracing.outgoing_metadata())  # fmt: skip
         return call, stub, choice.worker.id
 

@@ -27,6 +27,7 @@ the decode worker's blocks. The HTTP front drives the same generator from its th
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import time
@@ -244,8 +245,9 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             for attempt in itertools.count(1):
                 outcome = _Outcome()
                 try:
-                    async with aclosing(self._serve(rid, prompt_ids, request.sampling, deadline_s, excluded,
-                                                    context, timer, outcome, session, frozenset(full))) as messages:
+                    async with aclosing(self._serve(rid, attempt_id(rid, attempt), prompt_ids, request.sampling,
+                                                    deadline_s, excluded, context, timer, outcome, session,
+                                                    frozenset(full))) as messages:  # fmt: skip
                         async for message in messages:
                             yield message
                     if request.session_id:
@@ -310,9 +312,10 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             context.set_trailing_metadata(((RATE_LIMIT_KEY, exc.limit), *hint))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
-    async def _serve(self, rid, prompt_ids, sampling_msg, deadline_s, excluded, context, timer: RequestTimer,
+    async def _serve(self, rid, wid, prompt_ids, sampling_msg, deadline_s, excluded, context, timer: RequestTimer,
                      outcome: _Outcome, session: SessionRecord | None = None, full: frozenset[str] = frozenset()):
         """One attempt on one worker pair (or one decode worker prefilling locally); sets ``outcome.decode_id``.
+        ``wid``: the attempt's id at the workers (:func:`attempt_id`; ``rid`` is the client's and the records').
         ``full``: workers that answered RESOURCE_EXHAUSTED. Raises HandoffError before the first token reaches
         the client; after that, a decode worker that fails hands the request to another one (:meth:`_relay`)."""
         workers = self.view.workers()
@@ -334,7 +337,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         if not local_reason and prefill is None and prefills and set(prefills) <= full:
             local_reason = f"{decode.reason}; every prefill worker is full: prefilled on decode"
         if local_reason:
-            async with aclosing(self._serve_local(rid, prompt_ids, sampling_msg, deadline_s, context, timer,
+            async with aclosing(self._serve_local(rid, wid, prompt_ids, sampling_msg, deadline_s, context, timer,
                                                   decode.worker, local_reason, outcome)) as messages:  # fmt: skip
                 async for message in messages:
                     yield message
@@ -353,21 +356,21 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             lease_ends_s = time.monotonic() + self.config.kv_lease_s
             try:
                 reserved = await decode_stub.ReserveKv(
-                    worker_pb2.ReserveKvRequest(request_id=rid, num_tokens=len(prompt_ids),
+                    worker_pb2.ReserveKvRequest(request_id=wid, num_tokens=len(prompt_ids),
                                                 lease_seconds=self.config.kv_lease_s),
                     timeout=min(10.0, max(0.1, deadline_s - time.monotonic())), metadata=metadata,
                 )
             except grpc.RpcError as exc:
                 raise HandoffError(exc.code(), f"decode worker {d.id} could not reserve KV: {exc.details()}", d.id)
             except asyncio.CancelledError:  # the client went away: the reservation may have been made
-                self._release_soon(decode_stub, rid)
+                self._release_soon(decode_stub, wid)
                 raise
             # 3. prefill, KV to decode (a client that goes away cancels it: the prefill worker aborts it)
             try:
                 await self._record_update(rid, status="prefilling", decode_worker_id=d.id, prefill_worker_id=p.id,
                                           route_reason=f"{decode.reason}; {prefill.reason}", routed_at=time.time())
                 first = await self._prefill_watching(prefill_stub.Prefill(
-                    worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
+                    worker_pb2.PrefillRequest(request_id=wid, prompt_token_ids=prompt_ids, sampling=sampling_msg,
                                               kv_target_address=d.address, decode_identity=reserved.identity,
                                               kv_shm_address=reserved.kv_shm_address, kv_target_host=reserved.host,
                                               kv_nixl_metadata=reserved.kv_nixl_metadata,
@@ -376,16 +379,16 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                     metadata=metadata,
                 ), d.address)  # fmt: skip
             except _DecodeLost as exc:  # the KV's destination is gone: the retry avoids it, not the prefill worker
-                self._release_soon(decode_stub, rid)  # (the retry loop makes it a suspect: UNAVAILABLE)
+                self._release_soon(decode_stub, wid)  # (the retry loop makes it a suspect: UNAVAILABLE)
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"prefill on {p.id} (KV to {d.id}) failed: the decode "
                                    f"worker stopped answering during the hand-off: {exc.error.details()}", d.id)
             except asyncio.CancelledError:  # the client cancelled or disconnected (the call is cancelled too)
-                self._release_soon(decode_stub, rid)
+                self._release_soon(decode_stub, wid)
                 self._spawn(self._record_finish(rid, "aborted", timer, error="cancelled by the client"))
                 timer.fail(grpc.StatusCode.CANCELLED.name)
                 raise
             except grpc.RpcError as exc:
-                decode_answers = await self._release(decode_stub, rid)
+                decode_answers = await self._release(decode_stub, wid)
                 if not decode_answers:  # a hung or dead decode worker, while its registry entry has not lapsed
                     self.tracker.suspect(d.id)
                 details = exc.details()
@@ -410,7 +413,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                           prefill_finished_at=first.first_token_at, kv_transfer_started_at=first.kv_transfer_started_at,
                           kv_transfer_finished_at=first.kv_transfer_finished_at)
             if first.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED:
-                await self._release(decode_stub, rid)
+                await self._release(decode_stub, wid)
                 timer.on_tokens(first.token_ids)
                 yield first_message
                 yield self._last(rid, first.finish_reason, len(prompt_ids), emitted, p.id, d.id)
@@ -422,7 +425,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             # the client, so a router that dies now leaves no KV behind for longer than the decode worker's
             # admission window.
             call = self._decode_call(d.address, worker_pb2.DecodeRequest(
-                request_id=rid, prompt_token_ids=prompt_ids, output_token_ids=first.token_ids, sampling=sampling_msg,
+                request_id=wid, prompt_token_ids=prompt_ids, output_token_ids=first.token_ids, sampling=sampling_msg,
                 generator_state=first.generator_state), deadline_s, metadata)
             timer.on_tokens(first.token_ids)
             try:
@@ -432,9 +435,9 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                 yield first_message
             except (GeneratorExit, asyncio.CancelledError):  # the client left: stop decoding (the cancelled
                 call.cancel()  # Decode may never have reached the worker: free the reservation too)
-                self._release_soon(decode_stub, rid)
+                self._release_soon(decode_stub, wid)
                 raise
-            async with aclosing(self._relay(rid, call, decode_stub, d.id, p.id, prompt_ids, emitted, timer,
+            async with aclosing(self._relay(rid, wid, call, decode_stub, d.id, p.id, prompt_ids, emitted, timer,
                                             context, sampling_msg, deadline_s)) as messages:  # fmt: skip
                 async for message in messages:
                     yield message
@@ -459,6 +462,19 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         cached = {w: n * bs for w, n in blocks.items()}
         return pick_prefill_cached(workers, self.tracker, excluded, cached, len(prompt_ids),
                                    self.config.prefix_load_penalty_tokens)
+
+
+def attempt_id(rid: str, attempt: int) -> str:
+    """The id an attempt's calls give the workers: ``rid`` for the first, ``rid~N`` for the N-th (hashed when that
+    would not fit the KV wire format). A retry may reach the same worker as a failed attempt that it is still
+    cancelling (a decode worker lost mid-hand-off: the prefill worker is kept), or whose reservation it still holds:
+    under the same id the old one's cancellation ended the new one, or their KV senders mixed."""
+    if attempt == 1:
+        return rid
+    wid = f"{rid}~{attempt}"
+    if len(wid.encode()) > MAX_REQUEST_ID_BYTES:
+        wid = f"{hashlib.sha256(rid.encode()).hexdigest()}~{attempt}"
+    return wid
 
 
 def _check_request_id(request_id: str) -> None:

@@ -92,3 +92,16 @@ def test_a_suspect_goes_last_in_every_pool_until_its_cooldown_ends():
     assert not tracker.is_suspect("p0")
     assert pick_prefill(workers, tracker, set()).worker.id == "p0"
     assert pick_decode(workers, tracker, set()).worker.id == "d0"
+
+
+def test_each_attempt_of_a_request_has_its_own_id_at_the_workers():
+    """A retry may go to a worker still cancelling the failed attempt (the prefill worker kept when the decode
+    worker was lost): under one id the old one's cancellation ended the new one (seen in the chaos test)."""
+    from common.kv_transfer.wire import MAX_REQUEST_ID_BYTES
+    from services.router.servicer import attempt_id
+
+    assert attempt_id("req-1", 1) == "req-1"
+    assert [attempt_id("req-1", n) for n in (2, 3)] == ["req-1~2", "req-1~3"]
+    longest = "x" * MAX_REQUEST_ID_BYTES  # a client's id may use the whole wire limit
+    ids = {attempt_id(longest, n) for n in (1, 2, 3)}
+    assert len(ids) == 3 and all(len(i.encode()) <= MAX_REQUEST_ID_BYTES for i in ids)
