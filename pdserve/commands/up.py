@@ -73,7 +73,8 @@ def add_parser(subparsers) -> None:
 
 
 def up(args: argparse.Namespace) -> int:
-    from common.cluster.net import free_port, wait_for_grpc_health
+    from common.cluster.net import free_port as any_free_port
+    from common.cluster.net import wait_for_grpc_health
     from common.cluster.supervisor import Supervisor
 
     if args.prefill < 1 or args.decode < 1:
@@ -93,6 +94,14 @@ def up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     py = [sys.executable, "-m", "pdserve", "--log-level", "INFO"]
+    given: set[int] = set()
+
+    def free_port() -> int:  # each service its own: the OS may hand a just-closed port out twice
+        while (port := any_free_port()) in given:
+            pass
+        given.add(port)
+        return port
+
     with Supervisor(grace_s=30.0) as sup:
         redis_url = args.redis_url
         if redis_url is None:
@@ -129,8 +138,10 @@ def up(args: argparse.Namespace) -> int:
                     report = sup[exited[0]].exit_report() if exited else ""
                     print(f"pdserve up: {name} did not become ready ({why}) {report}", file=sys.stderr)
                     return 1
-        if not _wait_router_sees_workers(redis_url, args.prefill + args.decode, deadline):
-            print("pdserve up: the workers did not all appear in the registry", file=sys.stderr)
+        if not _wait_router_sees_workers(redis_url, args.prefill + args.decode, deadline, sup):
+            exited = sup.first_exited()
+            report = f": {sup[exited[0]].exit_report()}" if exited else ""
+            print(f"pdserve up: the workers did not all appear in the registry{report}", file=sys.stderr)
             return 1
         print(f"pdserve ready: {endpoints['router']} prefill={args.prefill} decode={args.decode} "
               f"redis={redis_url} logs={log_dir} http=127.0.0.1:{http_port}"
@@ -156,16 +167,17 @@ def _write_tls(directory: str, worker_names: list[str]):
     return flags, files["client"]
 
 
-def _wait_router_sees_workers(redis_url: str, count: int, deadline: float) -> bool:
+def _wait_router_sees_workers(redis_url: str, count: int, deadline: float, sup) -> bool:
     """Every worker registers before it reports SERVING; the router re-reads the registry every
     ``ROUTER_REFRESH_S``. Wait until the registry lists them all, then one refresh more, so that the first
-    requests after the ready line can reach every worker."""
+    requests after the ready line can reach every worker. False at the deadline, or at once when a process of
+    ``sup`` exited (a worker that could not start: its health probe may have reached another's port)."""
     from common.state.redis_client import connect
     from common.state.registry import WorkerRegistry
 
     registry = WorkerRegistry(connect(redis_url))
     while len(registry.list_workers()) < count:
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or sup.first_exited() is not None:
             return False
         time.sleep(0.1)
     time.sleep(2 * ROUTER_REFRESH_S)
