@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import grpc
 
+from common.cluster.net import wait_for_tcp
 from common.engine.counters import unix_time_of
 from common.engine.engine_loop import EngineLoop, StreamClosed
 from common.engine.identity import ModelIdentity
@@ -55,11 +56,11 @@ def _reachable(address: str, timeout_s: float) -> str:
     """'' when a TCP connection to ``address`` (host:port, IPv6 in brackets) opens within ``timeout_s``, else why
     not."""
     host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return ""
-    except (OSError, ValueError) as exc:
-        return f"no TCP connection to {address} within {timeout_s:g}s ({exc})"
+    if not port.isdigit():
+        return f"bad address {address!r}"
+    if wait_for_tcp(host.strip("[]"), int(port), timeout_s):
+        return ""
+    return f"no TCP connection to {address} within {timeout_s:g}s"
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
