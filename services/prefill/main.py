@@ -15,6 +15,8 @@ SERVICE_NAME = "pdserve.v1.PrefillService"
 
 
 def make_parts(config: WorkerConfig):
+    if not config.kv_write_stall_s >= 0:  # (NaN included)
+        raise SystemExit(f"--kv-write-stall-s must be >= 0 (0: no watch), got {config.kv_write_stall_s!r}")
     kv_tls = TlsFiles.from_config(config)  # the KV channels to decode workers present this worker's certificate
     if config.kv_transport == "nixl":  # a bad setting fails the start, not each channel (no NIXL: gRPC, logged)
         if why := nixl.settings_error():

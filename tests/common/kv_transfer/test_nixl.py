@@ -58,6 +58,10 @@ def test_workers_refuse_to_start_with_a_bad_progress_thread_setting(monkeypatch)
             make_parts(WorkerConfig(model="unused", **flags))
         assert str(exc.value) == f"{flag}: PDSERVE_NIXL_PROGRESS_THREAD must be 0 or 1, got '2'"
     assert prefill_parts(WorkerConfig(model="unused")) is not None  # NIXL not asked for: the setting is not read
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(SystemExit) as exc:
+            prefill_parts(WorkerConfig(model="unused", kv_write_stall_s=bad))
+        assert str(exc.value) == f"--kv-write-stall-s must be >= 0 (0: no watch), got {bad!r}"
 
 
 def two_requests_bit_for_bit(sender, receiver) -> None:
