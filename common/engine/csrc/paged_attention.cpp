@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -98,6 +99,68 @@ inline void weighted_rows(float* __restrict__ acc, const float* __restrict__ w, 
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 query and cache, head size a multiple of 32, on CPUs with AVX512-BF16: the item's scores and weighted values
+// without widening the keys. The float path above spends most of its instructions converting each key row,
+// reducing each dot product to a scalar (a shuffle tree per key and query head) and storing it; here a key row
+// multiplies the query head's bf16 pairs by vdpbf16ps (two instructions per 32 dimensions), each run of up to 16
+// keys leaves 16 vectors of partial sums that one transposing tree of 45 shuffles and adds turns into the run's 16
+// scores, and the values are widened once per pair of query heads.
+
+// lane j = the sum of v[j]'s 16 lanes (j < 16)
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2i], b = v[2i+1]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per chunk: the chunk's sums of v[4i .. 4i+3]
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// scores s[r] = scale * q . k[r] for `count` <= 16 consecutive key rows
+template <int64_t DIM>
+inline void score_run(float* s, const c10::BFloat16* q, const c10::BFloat16* k, int64_t count, float scale) {
+  __m512 part[16];
+  for (int64_t r = 0; r < count; ++r) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < DIM; d += 32)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + r * DIM + d));
+    part[r] = acc;
+  }
+  for (int64_t r = count; r < 16; ++r) part[r] = _mm512_setzero_ps();
+  const __m512 sums = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << count) - 1), sums);
+}
+
+// acc[j] += sum over r < count of w[j][r] * v[r], for the H (1 or 2) query heads j whose weights start at w[j]
+template <int64_t DIM, int H>
+inline void weigh_run(float* acc, const float* const* w, const c10::BFloat16* v, int64_t count) {
+  constexpr int64_t V = DIM / 16;
+  __m512 a[H][V];
+  for (int j = 0; j < H; ++j)
+    for (int64_t c = 0; c < V; ++c) a[j][c] = _mm512_loadu_ps(acc + j * DIM + 16 * c);
+  for (int64_t r = 0; r < count; ++r) {
+    __m512 row[V];
+    for (int64_t c = 0; c < V; ++c) row[c] = widen16(v + r * DIM + 16 * c);
+    for (int j = 0; j < H; ++j) {
+      const __m512 wr = _mm512_set1_ps(w[j][r]);
+      for (int64_t c = 0; c < V; ++c) a[j][c] = _mm512_fmadd_ps(wr, row[c], a[j][c]);
+    }
+  }
+  for (int j = 0; j < H; ++j)
+    for (int64_t c = 0; c < V; ++c) _mm512_storeu_ps(acc + j * DIM + 16 * c, a[j][c]);
+}
+#endif
+
 // DIM > 0: the head size as a constant (the inner loops unroll into a few vector instructions); 0: any size.
 template <typename q_t, typename cache_t, int64_t DIM>
 void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& cache, int64_t layer,
@@ -115,6 +178,12 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+#if defined(__AVX512BF16__)
+  constexpr bool fast = std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> && DIM > 0 &&
+                        DIM % 32 == 0 && DIM <= 128;  // score_run and weigh_run
+#else
+  constexpr bool fast = false;
+#endif
 
   // (sequence, KV head) items claimed in chunks as the threads come (parallel.h): items differ in length, and a
   // preempted thread holds no share back
@@ -129,7 +198,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       const int64_t* blocks = table + b * table_width;
       const cache_t* k_plane = layer_base + h * plane;
       const cache_t* v_plane = layer_base + (kv_heads + h) * plane;
-      for (int64_t j = 0; j < group; ++j) {
+      for (int64_t j = 0; j < (fast ? 0 : group); ++j) {  // the fast path reads the bf16 query as it is
         const q_t* src = q_base + b * q_s0 + (h * group + j) * q_s1;
         float* dst = q.data() + j * dim;
 #pragma omp simd
@@ -143,9 +212,19 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         prefetch_block(plane, blocks, second, len, block_size, dim);
       }
       for (int64_t pos = first; pos < len;) {
-        const int64_t off = pos % block_size, count = std::min(block_size - off, len - pos);
+        const int64_t off = pos % block_size, count = std::min<int64_t>({block_size - off, len - pos, 16});
         prefetch_block(k_plane, blocks, pos - off + 2 * block_size, len, block_size, dim);
-        load_row(rows.data(), k_plane + (blocks[pos / block_size] * block_size + off) * dim, count * dim);
+        const cache_t* keys = k_plane + (blocks[pos / block_size] * block_size + off) * dim;
+#if defined(__AVX512BF16__)
+        if constexpr (fast) {
+          for (int64_t j = 0; j < group; ++j)
+            score_run<DIM>(scores.data() + j * n + (pos - first), q_base + b * q_s0 + (h * group + j) * q_s1, keys,
+                           count, fscale);
+          pos += count;
+          continue;
+        }
+#endif
+        load_row(rows.data(), keys, count * dim);
         for (int64_t j = 0; j < group; ++j) {
           const float* __restrict__ qj = q.data() + j * dim;
           float* __restrict__ sj = scores.data() + j * n + (pos - first);
@@ -156,6 +235,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       for (int64_t j = 0; j < group; ++j) {
         float* __restrict__ sj = scores.data() + j * n;
         float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
         for (int64_t t = 0; t < n; ++t) m = std::max(m, sj[t]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -168,9 +248,24 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       // weighted values, block by block in the same way
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t pos = first; pos < len;) {
-        const int64_t off = pos % block_size, count = std::min(block_size - off, len - pos);
+        const int64_t off = pos % block_size, count = std::min<int64_t>({block_size - off, len - pos, 16});
         prefetch_block(v_plane, blocks, pos - off + 2 * block_size, len, block_size, dim);
-        load_row(rows.data(), v_plane + (blocks[pos / block_size] * block_size + off) * dim, count * dim);
+        const cache_t* values = v_plane + (blocks[pos / block_size] * block_size + off) * dim;
+#if defined(__AVX512BF16__)
+        if constexpr (fast) {
+          for (int64_t j = 0; j < group; j += 2) {
+            const float* wj = scores.data() + j * n + (pos - first);
+            const float* w[2] = {wj, j + 1 < group ? wj + n : wj};
+            if (j + 1 < group)
+              weigh_run<DIM, 2>(acc.data() + j * dim, w, values, count);
+            else
+              weigh_run<DIM, 1>(acc.data() + j * dim, w, values, count);
+          }
+          pos += count;
+          continue;
+        }
+#endif
+        load_row(rows.data(), values, count * dim);
         for (int64_t j = 0; j < group; ++j)
           weighted_rows<DIM>(acc.data() + j * dim, scores.data() + j * n + (pos - first), rows.data(), count, dim);
         pos += count;

@@ -69,6 +69,23 @@ def test_kernel_matches_float64_attention(q_dtype, cache_dtype, tol, dim, group,
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("q_dtype,cache_dtype,tol", [(torch.float32, torch.float32, 1e-5),
+                                                     (torch.bfloat16, torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group,dim", [(1, 64), (2, 64), (3, 128), (2, 96)])
+@pytest.mark.parametrize("window", [0, 21])
+def test_kernel_over_engine_sized_blocks(q_dtype, cache_dtype, tol, block_size, group, dim, window):
+    """Blocks of 16 and 32 keys: the bf16 path on AVX512-BF16 CPUs scores runs of up to 16 keys at once (a block
+    of 32 is two runs; a window or a length starts and ends them inside a block), odd query groups included."""
+    q, cache, table, lens = random_case(q_dtype, cache_dtype, group=group, dim=dim, block_size=block_size,
+                                        lens=(1, 15, 16, 17, 31, 33, 70, 100), seed=3)
+    out = torch.full_like(q, float("nan"))
+    scale = dim**-0.5
+    torch.ops.pdserve.paged_decode_attention(out, q, cache.data, 2, table, lens, scale, window)
+    expected = reference(q, cache, 2, table, lens, scale, window)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
 def test_kernel_reads_a_strided_query_and_the_right_layer():
     q, cache, table, lens = random_case(torch.float32, torch.float32)
     packed = q.transpose(0, 1).contiguous().transpose(0, 1)  # [B, Hq, D] with the token axis innermost-but-one
