@@ -67,6 +67,9 @@ _RETRYABLE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED,
 }  # fmt: skip
+# a failed Prefill whose decode worker still answers the router: the pair may not reach each other (a full worker or
+# a client's deadline says nothing about the link)
+_PAIR_FAILURES = _RETRYABLE - {grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 TOKENIZE_ON_LOOP_CHARS = 4096  # longer prompt texts are tokenized on the thread pool, not on the event loop
@@ -124,7 +127,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         self.config = config
         self.metrics = metrics
         self.tracing = tracing
-        self.tracker = LoadTracker(config.worker_cooldown_s)
+        self.tracker = LoadTracker(config.worker_cooldown_s, pair_cooldown_s=config.pair_cooldown_s)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._muxes: dict[str, DecodeMux] = {}  # decode worker address -> its DecodeMany stream
         self._streams: asyncio.Semaphore | None = None  # --max-streams gRPC streams at once (made on the loop)
@@ -326,10 +329,10 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         if decode is not None:
             local_reason = f"{decode.reason}: prefilled there from its cached KV"
         else:
-            decode = pick_decode(workers, self.tracker, excluded)
+            decode = pick_decode(workers, self.tracker, excluded, via_prefill=True)
         if decode is None:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, "no live decode worker", "")
-        prefill = await self._pick_prefill(prompt_ids, workers, excluded)
+        prefill = await self._pick_prefill(prompt_ids, workers, excluded, decode.worker.id)
         threshold = self.config.local_prefill_threshold
         if not local_reason and len(prompt_ids) < threshold:
             local_reason = f"{decode.reason}; {len(prompt_ids)} prompt tokens < --local-prefill-threshold {threshold}"
@@ -392,7 +395,12 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                 if not decode_answers:  # a hung or dead decode worker, while its registry entry has not lapsed
                     self.tracker.suspect(d.id)
                 details = exc.details()
-                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline_s - 0.05:
+                client_deadline = time.monotonic() >= deadline_s - 0.05
+                if decode_answers and exc.code() in _PAIR_FAILURES and not client_deadline:
+                    self.tracker.suspect_pair(p.id, d.id)  # the next requests take another pair while there is one
+                    log.info("request %s: %s and %s paired last for %g s (--pair-cooldown-s): %s", rid, p.id, d.id,
+                             self.tracker.pair_cooldown_s, exc.code().name)  # fmt: skip
+                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and not client_deadline:
                     details = (f"no first token before the KV reservation's lease ended "
                                f"(--kv-lease-s {self.config.kv_lease_s:g}): the prefill or its KV transfer stalled")
                 # The retry avoids the decode worker when it does not answer either (the transfer failed on its
@@ -447,21 +455,23 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
             if not prefill_released:
                 self.tracker.release(p.id)
 
-    async def _pick_prefill(self, prompt_ids: list[int], workers, excluded: set[str]) -> Choice | None:
-        """Cache-aware when the prefix index answers and there is a choice; else the load-only policy."""
+    async def _pick_prefill(self, prompt_ids: list[int], workers, excluded: set[str],
+                            decode_id: str) -> Choice | None:  # fmt: skip
+        """Cache-aware when the prefix index answers and there is a choice; else the load-only policy. ``decode_id``:
+        where the KV goes (a suspect pair with it goes last)."""
         candidates = [w for w in workers if w.role == "prefill" and w.id not in excluded]
         if len(candidates) < 2 or self.prefix_index is None:
-            return pick_prefill(workers, self.tracker, excluded)
+            return pick_prefill(workers, self.tracker, excluded, decode_id)
         bs = candidates[0].block_size
         names = block_hashes(prompt_ids, bs, max_blocks=(len(prompt_ids) - 1) // bs)
         try:
             blocks = await asyncio.to_thread(self.prefix_index.overlap, [w.id for w in candidates], names)
         except Exception as exc:  # noqa: BLE001 - Redis away: route on load alone
             log.debug("prefix index unavailable: %s", exc)
-            return pick_prefill(workers, self.tracker, excluded)
+            return pick_prefill(workers, self.tracker, excluded, decode_id)
         cached = {w: n * bs for w, n in blocks.items()}
         return pick_prefill_cached(workers, self.tracker, excluded, cached, len(prompt_ids),
-                                   self.config.prefix_load_penalty_tokens)
+                                   self.config.prefix_load_penalty_tokens, decode_id)
 
 
 def attempt_id(rid: str, attempt: int) -> str:

@@ -94,6 +94,35 @@ def test_a_suspect_goes_last_in_every_pool_until_its_cooldown_ends():
     assert pick_decode(workers, tracker, set()).worker.id == "d0"
 
 
+def test_a_suspect_pair_goes_last_for_its_own_cooldown():
+    """p0 -> d0 failed while both answered (their hosts lost each other): for --pair-cooldown-s the router pairs
+    d0 with another prefill worker, or, where every prefill worker is a suspect pair with d0, sends the KV to
+    another decode worker; neither worker is a suspect by itself, and either pair comes back after the cooldown."""
+    now = [100.0]
+    tracker = LoadTracker(cooldown_s=5.0, clock=lambda: now[0], pair_cooldown_s=30.0)
+    pools = [worker("p0", "prefill"), worker("p1", "prefill"), worker("d0", "decode"), worker("d1", "decode")]
+    tracker.suspect_pair("p0", "d0")
+    assert not tracker.is_suspect("p0") and not tracker.is_suspect("d0")
+    assert pick_prefill(pools, tracker, set(), "d0").worker.id == "p1"  # d0 takes its KV from p1
+    assert pick_prefill(pools, tracker, set(), "d1").worker.id == "p0"  # p0 still serves d1
+    assert pick_prefill_cached(pools, tracker, set(), {"p0": 512}, 600, 256, "d0").worker.id == "p1"
+    assert pick_prefill_cached(pools, tracker, set(), {"p0": 512}, 600, 256, "d1").worker.id == "p0"
+    assert pick_decode(pools, tracker, set(), via_prefill=True).worker.id == "d0"  # p1 can still feed d0
+    lone = [w for w in pools if w.id != "p1"]  # one prefill worker, cut off from d0: d1 goes first
+    assert pick_decode(lone, tracker, set(), via_prefill=True).worker.id == "d1"
+    assert pick_decode(pools, tracker, {"p1"}, via_prefill=True).worker.id == "d1"  # p1 excluded: the same
+    assert pick_decode(lone, tracker, set()).worker.id == "d0"  # a migration takes no KV from a prefill worker
+    assert pick_decode(lone, tracker, {"d1"}, via_prefill=True).worker.id == "d0"  # tried last, not excluded
+    now[0] += 29.0
+    assert pick_decode(lone, tracker, set(), via_prefill=True).worker.id == "d1"
+    now[0] += 1.0  # cooldown over
+    assert not tracker.is_suspect_pair("p0", "d0")
+    assert pick_decode(lone, tracker, set(), via_prefill=True).worker.id == "d0"
+    assert pick_prefill(pools, tracker, set(), "d0").worker.id == "p0"
+    tracker.suspect_pair("p1", "d1")  # a new suspect pair drops the lapsed ones from the table
+    assert list(tracker._pair_until_s) == [("p1", "d1")]
+
+
 def test_each_attempt_of_a_request_has_its_own_id_at_the_workers():
     """A retry may go to a worker still cancelling the failed attempt (the prefill worker kept when the decode
     worker was lost): under one id the old one's cancellation ended the new one (seen in the chaos test)."""

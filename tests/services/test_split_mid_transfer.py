@@ -111,7 +111,9 @@ def test_a_lone_prefill_worker_that_cannot_reach_one_decode_worker_hands_off_to_
     """One prefill worker, two decode workers; the prefill host loses only decode-a's host. A hand-off to decode-a
     fails (its NIXL channel finds decode-a silent, or a new one finds it unreachable); decode-a answers the
     router's release, so the retry would avoid the prefill worker, the only one: it avoids decode-a instead, and
-    every request ends on decode-b with stock tokens (before: "no other worker pair to retry on")."""
+    every request ends on decode-b with stock tokens (before: "no other worker pair to retry on"). The router
+    then pairs the two last (--pair-cooldown-s, 30 s): the requests after it go to decode-b without a failure
+    first (before: each paid 3-10 s for it)."""
     if cluster["transport"] != "nixl":
         pytest.skip("the router's choice is the transport's business only in how long the failure takes (gRPC's "
                     "connect to an unanswering host: ~20 s)")  # fmt: skip
@@ -131,7 +133,18 @@ def test_a_lone_prefill_worker_that_cannot_reach_one_decode_worker_hands_off_to_
                 assert took_s < 10 + 8, took_s  # --kv-write-stall-s's default, the retry
                 if swapped in (cluster["logs"] / "router.log").read_text():
                     break
-        assert swapped in (cluster["logs"] / "router.log").read_text()
+            router_log = (cluster["logs"] / "router.log").read_text()
+            assert swapped in router_log
+            assert "prefill-a and decode-a paired last for 30 s" in router_log, router_log[-3000:]
+            for seed in range(6, 9):  # the router remembers the pair: the next requests go to decode-b at once
+                p = [(seed * 37 + 11 * i) % 3000 + 11 for i in range(150)]
+                t0 = time.monotonic()
+                result = client.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True)
+                assert result.token_ids == hf_greedy(model, p, 8), seed
+                assert result.decode_worker_id == "decode-b", result
+                assert time.monotonic() - t0 < 2.5, seed  # no failed hand-off first (3 s at least: a new channel)
+        later = (cluster["logs"] / "router.log").read_text()[len(router_log):]
+        assert " failed: " not in later, later
     finally:
         hosts.join("pa", DECODE_HOSTS["decode-a"])
 
@@ -147,7 +160,8 @@ def two_prefill(tiny_model_dir, tmp_path_factory):
     layout = {w: ("prefill", host, prefill) for w, host in (("prefill-a", "pa"), ("prefill-b", "pb"))}
     layout["decode-a"] = ("decode", "da", [*flags, "--kv-nixl"])
     with VirtualHosts(["svc", "pa", "pb", "da"]) as hosts:
-        info = start_pdserve(hosts, model_dir, layout, logs, router_args=["--worker-cooldown-s", "1"])
+        info = start_pdserve(hosts, model_dir, layout, logs,
+                             router_args=["--worker-cooldown-s", "1", "--pair-cooldown-s", "1"])
         wait_serving(info, layout, logs)
         yield info | {"hosts": hosts, "model_dir": model_dir, "logs": logs}
 
@@ -188,12 +202,12 @@ def test_a_prefill_and_a_decode_host_split_off_each_other_only(two_prefill, hf_r
                 seen = {way for way, text in ways.items() if text in router_log}
                 if len(seen) == 2:
                     break
-                time.sleep(1.2)  # prefill-a's suspicion (--worker-cooldown-s 1) over
+                time.sleep(1.2)  # prefill-a's suspicion and the pair's over (both cooldowns 1 s)
         assert seen == set(ways), router_log[-3000:]
         assert metric(two_prefill["http"], "pdserve:handoff_retries_total", code="UNAVAILABLE") >= 2
     finally:
         hosts.join("pa", "da")
-    time.sleep(1.5)  # prefill-a's suspicion (--worker-cooldown-s 1) over
+    time.sleep(1.5)  # prefill-a's suspicion and the pair's over
     with Client(two_prefill["router"], timeout_s=60) as client:  # joined again: prefill-a hands off again
         used = set()
         for seed in range(3):
