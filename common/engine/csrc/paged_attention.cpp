@@ -186,12 +186,15 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
 #endif
 
   // (sequence, KV head) items claimed in chunks as the threads come (parallel.h): items differ in length, and a
-  // preempted thread holds no share back
+  // preempted thread holds no share back. Head-major: the next item reads the same head's plane for the next
+  // sequence, whose blocks often follow this one's (a batch's prompts are given blocks in order), so the hardware
+  // prefetcher streams on across items (sequence-major, each item jumped to another plane: the kernel alone, 16
+  // sequences of 500 tokens with their blocks in order, took 12% longer)
   pdserve::parallel_claim(batch * kv_heads, std::max<int64_t>(1, batch * kv_heads / 16), [&](int64_t begin,
                                                                                          int64_t end) {
     std::vector<float> q(group * dim), acc(group * dim), rows(block_size * dim), scores, total(group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const int64_t b = item % batch, h = item / batch;
       const int64_t len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
