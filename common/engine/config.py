@@ -11,6 +11,7 @@ from common.engine.block_pool import PLACEMENTS
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30  # like vLLM's CPU backend default of 4 GiB
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
+WEIGHT_LAYOUTS = ("decode", "prefill")
 
 
 @dataclass
@@ -41,6 +42,9 @@ class EngineConfig:
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (see prefix_cache)
     prefix_cache_ttl_s: float | None = None  # forget cached blocks unused this long (None: only LRU eviction)
     kv_block_placement: str = "lru"  # which free blocks a request gets: "lru" or "contiguous" (see block_pool)
+    # what the packed weights' layouts are chosen for: "decode" (steps of a few rows: the engine's own kernels) or
+    # "prefill" (batches of prompt tokens: oneDNN's GEMM layout for bf16 on AMX CPUs; see cpu_linear)
+    weight_layout: str = "decode"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -55,6 +59,8 @@ class EngineConfig:
             raise ValueError(
                 f"kv_block_placement must be one of {', '.join(PLACEMENTS)}, got {self.kv_block_placement!r}"
             )
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, got {self.weight_layout!r}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 (bytes, or a fraction <= 1), got {self.kv_cache_memory!r}")
 
@@ -74,6 +80,7 @@ class EngineConfig:
             prefix_cache_ttl_s=getattr(settings, "prefix_cache_ttl_s", None) or None,
             cuda_graphs=bool(getattr(settings, "cuda_graphs", False)),
             kv_block_placement=getattr(settings, "kv_block_placement", "lru"),
+            weight_layout=getattr(settings, "weight_layout", "decode"),
         )
 
     @property

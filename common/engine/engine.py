@@ -109,7 +109,7 @@ class LLMEngine(KVHandoffMixin):
         loaded.model.set_attn_implementation(attention.register())
         kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels.load()
         if config.cpu_packed_linear and packing_supported(loaded.dtype, self.device) and tp is None:
-            pack_linear_layers(loaded.model, kernel=kernels)
+            pack_linear_layers(loaded.model, kernel=kernels, prefill=config.weight_layout == "prefill")
             fuse_rms_norms(loaded.model, kernel=kernels)
             if kernels:
                 fuse_gated_mlps(loaded.model)

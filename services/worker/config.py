@@ -64,6 +64,14 @@ class WorkerConfig:
                           "lru)",
                   "choices": ["auto", "contiguous", "lru"]},
     )
+    weight_layout: str = field(
+        default="auto",
+        metadata={"help": "what the CPU weight layouts are chosen for: decode (steps of a few rows: the engine's own "
+                          "kernels), prefill (batches of prompt tokens: oneDNN's GEMM layout for bf16 on AMX CPUs, "
+                          "8-10% faster prefill, slower decode steps), or auto (prefill on a prefill worker, else "
+                          "decode)",
+                  "choices": ["auto", "decode", "prefill"]},
+    )
     kv_host_cache_blocks: int = field(
         default=0, metadata=_help("prefix cache spill tier: evicted blocks kept in host memory (0: off)")
     )

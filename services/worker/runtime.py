@@ -94,13 +94,22 @@ def block_placement(role: str, config: WorkerConfig) -> str:
     return "contiguous" if blocks_enabled() else "lru"
 
 
+def weight_layout(role: str, config: WorkerConfig) -> str:
+    """``--weight-layout`` with ``auto`` resolved: prefill on a prefill worker (its steps are batches of prompt
+    tokens; a prompt's first token is all it samples), else decode."""
+    if config.weight_layout != "auto":
+        return config.weight_layout
+    return "prefill" if role == "prefill" else "decode"
+
+
 def build_engine(config: WorkerConfig, role: str = "") -> LLMEngine:
     """The worker's engine; with ``--tensor-parallel-size N`` > 1, rank 0 of N processes of this host (the N-1
     followers are spawned here; ``engine.close()`` stops them)."""
     if not config.model:
         raise ValueError("a worker needs --model (a local model directory)")
     check_tensor_parallel_settings(config)
-    config = dataclasses.replace(config, kv_block_placement=block_placement(role, config))
+    config = dataclasses.replace(config, kv_block_placement=block_placement(role, config),
+                                 weight_layout=weight_layout(role, config))
     load_kwargs = dict(dtype=config.dtype, allow_pickle=config.allow_pickle_weights,
                        quantization=config.quantization)
     if config.tensor_parallel_size > 1:
@@ -212,6 +221,7 @@ def serve_worker(
             redis_state = "ok" if heartbeater is not None and heartbeater.connected else "degraded"
             return {"role": role, "id": worker_id, "redis": redis_state,
                     "kv_block_placement": engine.block_pool.placement,
+                    "weight_layout": engine.config.weight_layout,
                     "num_requests_running": stats.num_requests_running,
                     "num_requests_waiting": stats.num_requests_waiting, **(parts.details() if parts.details else {}),
                     **({"gpu": gpu.health()} if gpu is not None else {})}

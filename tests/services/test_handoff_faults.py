@@ -127,6 +127,7 @@ def test_nixl_transport(model_dir, hf_reference, monkeypatch, blocks):
         for worker in ("prefill-0", "decode-0"):
             health = json.loads(urllib.request.urlopen(f"http://{cluster.metrics[worker]}/healthz", timeout=5).read())
             assert health["kv_block_placement"] == placement, (worker, health)
+            assert health["weight_layout"] == worker.split("-")[0], (worker, health)  # --weight-layout auto
         if blocks == "1":  # the decode worker counts what landed in its blocks: the payload, as prefill's sent
             decode = urllib.request.urlopen(f"http://{cluster.metrics['decode-0']}/metrics", timeout=5).read().decode()
             sent = re.search(r'pdserve:kv_transfer_bytes_total\{direction="sent"\} (\S+)', metrics).group(1)

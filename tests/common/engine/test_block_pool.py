@@ -238,7 +238,7 @@ def test_workers_choose_the_placement_by_flag_or_environment(monkeypatch):
     from common.config.loader import add_config_args, resolve_config
     from common.engine.config import EngineConfig
     from services.worker.config import WorkerConfig
-    from services.worker.runtime import block_placement
+    from services.worker.runtime import block_placement, weight_layout
 
     def placement(role, argv, env=None):
         parser = argparse.ArgumentParser()
@@ -260,5 +260,14 @@ def test_workers_choose_the_placement_by_flag_or_environment(monkeypatch):
     with pytest.raises(ValueError, match="PDSERVE_KV_BLOCK_PLACEMENT: 'best' is not one of"):
         placement("decode", [], {"PDSERVE_KV_BLOCK_PLACEMENT": "best"})
     assert EngineConfig().kv_block_placement == "lru"  # a bare engine moves no KV
+    # the weights' layouts: for prefill on a prefill worker, for decode elsewhere, unless chosen
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, WorkerConfig)
+    for role, argv, want in (("prefill", [], "prefill"), ("decode", [], "decode"), ("", [], "decode"),
+                             ("prefill", ["--weight-layout", "decode"], "decode"),
+                             ("decode", ["--weight-layout", "prefill"], "prefill")):  # fmt: skip
+        config = resolve_config(WorkerConfig, parser.parse_args(["--model", "m", *argv]), env={}).config
+        assert weight_layout(role, config) == want, (role, argv)
+    assert EngineConfig().weight_layout == "decode"
     with pytest.raises(ValueError, match="kv_block_placement must be one of contiguous, lru"):
         EngineConfig(kv_block_placement="auto")

@@ -386,3 +386,31 @@ def test_prebuilt_kernels_that_do_not_fit_are_left_for_a_build(tmp_path, monkeyp
         caplog.clear()
         assert not cpu_kernels._load_prebuilt()
         assert expected in caplog.text
+
+
+def test_an_engine_packed_for_prefill_keeps_onednn_layouts_for_bf16_on_amx(tiny_model_dir):
+    """``weight_layout="prefill"`` (a prefill worker's default): on CPUs with AMX its bf16 weights keep oneDNN's
+    layout (its AMX GEMM runs batches of prompt tokens without the pair layout's widening), elsewhere the same
+    layouts as for decode; either way the same tokens as the decode-layout engine."""
+    from common.engine.config import EngineConfig
+    from common.engine.cpu_linear import PackedLinear
+    from common.engine.engine import LLMEngine
+    from common.engine.loader import load_model
+    from common.engine.sampling_params import SamplingParams
+
+    model = tiny_model_dir("llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                           num_key_value_heads=2)  # fmt: skip
+    engines = {layout: LLMEngine(load_model(model, dtype="bfloat16"), EngineConfig(weight_layout=layout))
+               for layout in ("decode", "prefill")}  # fmt: skip
+    layouts = {name: sorted({m.layout for m in e.runner.model.modules() if isinstance(m, PackedLinear)})
+               for name, e in engines.items()}  # fmt: skip
+    if "amx_bf16" in cpu_kernels.cpu_flags() and torch.ops.pdserve.bf16_amx_supported():
+        assert layouts == {"decode": ["bf16_amx"], "prefill": ["onednn"]}
+    else:
+        assert layouts["prefill"] == layouts["decode"]
+    prompts = [[5 + i * 7 + j for j in range(40 + 9 * i)] for i in range(3)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = {name: [r.token_ids for r in e.generate(prompts, params)] for name, e in engines.items()}
+    assert tokens["prefill"] == tokens["decode"]
+    with pytest.raises(ValueError, match="weight_layout must be one of decode, prefill"):
+        EngineConfig(weight_layout="auto")
