@@ -6,7 +6,9 @@
    the FLOP roofline of the model's dtype (for bf16 on a CPU without bf16 arithmetic: the fp32 rate). FLOPs
    of a prompt: 2 x (non-embedding parameters) per token, plus the causal attention products (QK^T and AV:
    2 x 2 x layers x heads x head_dim x (n^2 + n) / 2), plus the LM head once (``logits_to_keep``: only the
-   last token's logits are computed).
+   last token's logits are computed). Where the engine's decode layout of the weights is not what a prefill
+   worker packs (bf16 on AMX CPUs: ``--weight-layout prefill``), the prefill also runs on an engine packed as a
+   prefill worker's.
 3. Single-stream decode: one request (--decode-prompt-len prompt tokens, --decode-tokens new tokens), its
    decode steps as a fraction of the bandwidth roofline: each step reads every weight the step uses (all
    parameters but the embedding table, of which it reads one row; the LM head counts even when tied to the
@@ -20,6 +22,7 @@ engine's fractions sit next to HF's from the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -198,6 +201,15 @@ def main() -> int:
     t = engine_prefill_s(engine, prompt)
     result["engine_prefill_tok_s"] = args.prompt_len / t
     result["engine_prefill_of_peak"] = flops / t / compute_roofline(peak, dtype)
+    if any(getattr(m, "layout", "") == "bf16_amx" for m in engine.runner.model.modules()):
+        # a prefill worker packs its weights for prefill (--weight-layout auto): here oneDNN's AMX layout
+        worker = LLMEngine(load_model(path, dtype=args.dtype), dataclasses.replace(engine.config,
+                                                                                  weight_layout="prefill"))
+        worker.generate([dprompt[:64]], SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        t = engine_prefill_s(worker, prompt)
+        result["prefill_worker_tok_s"] = args.prompt_len / t
+        result["prefill_worker_of_peak"] = flops / t / compute_roofline(peak, dtype)
+        del worker
     t, engine_tokens = engine_decode(engine, dprompt, args.decode_tokens)
     result["engine_decode_tok_s"] = steps / t
     result["engine_decode_of_roofline"] = steps / t / result["decode_roofline_tok_s"]
@@ -225,6 +237,9 @@ def main() -> int:
     widened = " (the fp32 rate: this CPU has no faster bf16 arithmetic)" if roof > peak[dtype] / 1e9 else ""
     print(f"prefill of {args.prompt_len} tokens ({flops / 1e9:.1f} GFLOP; roofline {roof:.0f} GFLOP/s{widened}):")
     print(f"  engine {result['engine_prefill_tok_s']:8.0f} tok/s  {result['engine_prefill_of_peak']:6.1%} of peak")
+    if "prefill_worker_tok_s" in result:
+        print(f"  engine {result['prefill_worker_tok_s']:8.0f} tok/s  {result['prefill_worker_of_peak']:6.1%} of peak"
+              "   (a prefill worker's weight layout: --weight-layout prefill)")
     if hf is not None:
         print(f"  HF     {result['hf_prefill_tok_s']:8.0f} tok/s  {result['hf_prefill_of_peak']:6.1%} of peak")
     print(f"single-stream decode, context {args.decode_prompt_len}..{args.decode_prompt_len + args.decode_tokens} "
