@@ -36,6 +36,7 @@ from common.kv_transfer.grpc_transport import GrpcKVSender, PushResult
 from common.kv_transfer.nixl import NixlKVSender
 from common.kv_transfer.nixl_blocks import BlockEndpoint, BlocksRefused, NixlBlockSender, blocks_enabled
 from common.kv_transfer.shm import ShmKVSender
+from common.kv_transfer.wire import KV_UNDELIVERED_KEY
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing, call_scope
 from common.rpc import convert
@@ -170,6 +171,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         except _Unreachable as exc:
             if self.metrics is not None:
                 self.metrics.count_kv_failure(grpc.StatusCode.UNAVAILABLE.name)
+            context.set_trailing_metadata(((KV_UNDELIVERED_KEY, request.kv_target_address),))
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self._senders[rid] = sender
         try:
@@ -223,6 +225,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                 self.metrics.count_kv_failure((result.code or grpc.StatusCode.UNAVAILABLE).name)
         if not result.ok:
             log.warning("KV transfer of %s to %s failed: %s", rid, request.kv_target_address, result.error)
+            context.set_trailing_metadata(((KV_UNDELIVERED_KEY, request.kv_target_address),))
             context.abort(
                 result.code or grpc.StatusCode.UNAVAILABLE,
                 f"KV transfer of request {rid} to {request.kv_target_address} failed: {result.error}",

@@ -7,7 +7,8 @@ whose last heartbeat caught a request that has long finished would look busy. So
 0. not a suspect: a worker that just failed a call as if dead (unreachable, hung) is tried last for a cool-down
    (its registry entry lives on until its heartbeat lapses, and every request would otherwise spend its
    retry on it); then not a suspect pair: a prefill and a decode worker whose hand-off failed while both still
-   answered the router (a network split between their hosts, say) are paired last for a longer cool-down, so
+   answered the router (the prefill worker's answer: its KV did not reach the decode worker; a network split
+   between their hosts, say) are paired last for a longer cool-down, so
    the requests after the first go through another pair without paying the failure again: the decode worker
    goes last when every prefill worker it could pair with is a suspect pair with it, the prefill worker when
    the decode worker already chosen is;

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.engine.prefix_cache import block_hashes
-from common.kv_transfer.wire import MAX_REQUEST_ID_BYTES
+from common.kv_transfer.wire import KV_UNDELIVERED_KEY, MAX_REQUEST_ID_BYTES
 from common.metrics.router import RequestTimer, RouterMetrics
 from common.obs import Tracing, call_scope, trace_id_of
 from common.rpc import convert
@@ -67,9 +67,6 @@ _RETRYABLE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED,
 }  # fmt: skip
-# a failed Prefill whose decode worker still answers the router: the pair may not reach each other (a full worker or
-# a client's deadline says nothing about the link)
-_PAIR_FAILURES = _RETRYABLE - {grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 TOKENIZE_ON_LOOP_CHARS = 4096  # longer prompt texts are tokenized on the thread pool, not on the event loop
@@ -396,7 +393,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                     self.tracker.suspect(d.id)
                 details = exc.details()
                 client_deadline = time.monotonic() >= deadline_s - 0.05
-                if decode_answers and exc.code() in _PAIR_FAILURES and not client_deadline:
+                if decode_answers and _kv_undelivered(exc):  # both answer the router, not each other
                     self.tracker.suspect_pair(p.id, d.id)  # the next requests take another pair while there is one
                     log.info("request %s: %s and %s paired last for %g s (--pair-cooldown-s): %s", rid, p.id, d.id,
                              self.tracker.pair_cooldown_s, exc.code().name)  # fmt: skip
@@ -472,6 +469,15 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
         cached = {w: n * bs for w, n in blocks.items()}
         return pick_prefill_cached(workers, self.tracker, excluded, cached, len(prompt_ids),
                                    self.config.prefix_load_penalty_tokens, decode_id)
+
+
+def _kv_undelivered(exc: grpc.RpcError) -> bool:
+    """The prefill worker answered that its KV did not reach the decode worker (not a prefill worker the router
+    could not reach, or one that failed otherwise)."""
+    try:
+        return any(key == KV_UNDELIVERED_KEY for key, _ in exc.trailing_metadata() or ())
+    except Exception:  # noqa: BLE001 - an error without metadata
+        return False
 
 
 def attempt_id(rid: str, attempt: int) -> str:
