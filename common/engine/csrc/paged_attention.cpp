@@ -99,13 +99,14 @@ inline void weighted_rows(float* __restrict__ acc, const float* __restrict__ w, 
   }
 }
 
-#if defined(__AVX512BF16__)
-// bf16 query and cache, head size a multiple of 32, on CPUs with AVX512-BF16: the item's scores and weighted values
-// without widening the keys. The float path above spends most of its instructions converting each key row,
-// reducing each dot product to a scalar (a shuffle tree per key and query head) and storing it; here a key row
-// multiplies the query head's bf16 pairs by vdpbf16ps (two instructions per 32 dimensions), each run of up to 16
-// keys leaves 16 vectors of partial sums that one transposing tree of 45 shuffles and adds turns into the run's 16
-// scores, and the values are widened once per pair of query heads.
+#if defined(__AVX512F__)
+// Query and cache of one type, head size a multiple of 32 (up to 128), on AVX-512 CPUs (bf16: with AVX512-BF16):
+// the item's scores and weighted values by runs of up to 16 keys. The generic path above spends most of its
+// instructions converting each key row to float, reducing each dot product across lanes (a shuffle tree per key
+// and query head) and storing it; here a key row leaves a vector of partial sums (bf16: vdpbf16ps on the query's
+// and the key's bf16 pairs, two instructions per 32 dimensions; float: FMAs), one transposing tree of 45 shuffles
+// and adds turns a run's 16 vectors into its 16 scores, and the values are read (bf16: widened) once per pair of
+// query heads.
 
 // lane j = the sum of v[j]'s 16 lanes (j < 16)
 inline __m512 sum_lanes16(const __m512* v) {
@@ -121,36 +122,51 @@ inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 
-inline __m512 widen16(const c10::BFloat16* p) {
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {  // widened
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// scores s[r] = scale * q . k[r] for `count` <= 16 consecutive key rows
+// q . k[r]'s 16 partial sums
 template <int64_t DIM>
-inline void score_run(float* s, const c10::BFloat16* q, const c10::BFloat16* k, int64_t count, float scale) {
+inline __m512 partial_dot(const float* q, const float* k) {
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+  for (int64_t d = 16; d < DIM; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+  return acc;
+}
+
+#if defined(__AVX512BF16__)
+template <int64_t DIM>
+inline __m512 partial_dot(const c10::BFloat16* q, const c10::BFloat16* k) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < DIM; d += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+  return acc;
+}
+#endif
+
+// scores s[r] = scale * q . k[r] for `count` <= 16 consecutive key rows
+template <int64_t DIM, typename T>
+inline void score_run(float* s, const T* q, const T* k, int64_t count, float scale) {
   __m512 part[16];
-  for (int64_t r = 0; r < count; ++r) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < DIM; d += 32)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + r * DIM + d));
-    part[r] = acc;
-  }
+  for (int64_t r = 0; r < count; ++r) part[r] = partial_dot<DIM>(q, k + r * DIM);
   for (int64_t r = count; r < 16; ++r) part[r] = _mm512_setzero_ps();
   const __m512 sums = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
   _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << count) - 1), sums);
 }
 
 // acc[j] += sum over r < count of w[j][r] * v[r], for the H (1 or 2) query heads j whose weights start at w[j]
-template <int64_t DIM, int H>
-inline void weigh_run(float* acc, const float* const* w, const c10::BFloat16* v, int64_t count) {
+template <int64_t DIM, int H, typename T>
+inline void weigh_run(float* acc, const float* const* w, const T* v, int64_t count) {
   constexpr int64_t V = DIM / 16;
   __m512 a[H][V];
   for (int j = 0; j < H; ++j)
     for (int64_t c = 0; c < V; ++c) a[j][c] = _mm512_loadu_ps(acc + j * DIM + 16 * c);
   for (int64_t r = 0; r < count; ++r) {
     __m512 row[V];
-    for (int64_t c = 0; c < V; ++c) row[c] = widen16(v + r * DIM + 16 * c);
+    for (int64_t c = 0; c < V; ++c) row[c] = load16(v + r * DIM + 16 * c);
     for (int j = 0; j < H; ++j) {
       const __m512 wr = _mm512_set1_ps(w[j][r]);
       for (int64_t c = 0; c < V; ++c) a[j][c] = _mm512_fmadd_ps(wr, row[c], a[j][c]);
@@ -179,7 +195,12 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 #if defined(__AVX512BF16__)
-  constexpr bool fast = std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> && DIM > 0 &&
+  constexpr bool bf16_fast = std::is_same_v<cache_t, c10::BFloat16>;
+#else
+  constexpr bool bf16_fast = false;
+#endif
+#if defined(__AVX512F__)
+  constexpr bool fast = std::is_same_v<q_t, cache_t> && (std::is_same_v<cache_t, float> || bf16_fast) && DIM > 0 &&
                         DIM % 32 == 0 && DIM <= 128;  // score_run and weigh_run
 #else
   constexpr bool fast = false;
@@ -218,7 +239,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         const int64_t off = pos % block_size, count = std::min<int64_t>({block_size - off, len - pos, 16});
         prefetch_block(k_plane, blocks, pos - off + 2 * block_size, len, block_size, dim);
         const cache_t* keys = k_plane + (blocks[pos / block_size] * block_size + off) * dim;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
         if constexpr (fast) {
           for (int64_t j = 0; j < group; ++j)
             score_run<DIM>(scores.data() + j * n + (pos - first), q_base + b * q_s0 + (h * group + j) * q_s1, keys,
@@ -254,7 +275,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         const int64_t off = pos % block_size, count = std::min<int64_t>({block_size - off, len - pos, 16});
         prefetch_block(v_plane, blocks, pos - off + 2 * block_size, len, block_size, dim);
         const cache_t* values = v_plane + (blocks[pos / block_size] * block_size + off) * dim;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
         if constexpr (fast) {
           for (int64_t j = 0; j < group; j += 2) {
             const float* wj = scores.data() + j * n + (pos - first);
