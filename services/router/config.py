@@ -32,8 +32,9 @@ class RouterConfig:
         default=5.0, metadata=_help("a worker that failed a call as if dead (unreachable, hung) goes last this long")
     )
     pair_cooldown_s: float = field(
-        default=30.0, metadata=_help("a prefill and a decode worker whose hand-off failed while both answered the "
-                                    "router (a network split between them) are paired last this long")
+        default=30.0, metadata=_help("a prefill and a decode worker whose hand-off failed because the KV did not "
+                                    "reach the decode worker while both answered the router (a network split between "
+                                    "them) are paired last this long (0: not remembered)")
     )
     local_prefill_threshold: int = field(
         default=0, metadata=_help("prompts shorter than this many tokens are prefilled on the decode worker (0: never)")

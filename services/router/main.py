@@ -75,6 +75,9 @@ def run(
     pod is not ready or terminating from new requests (:mod:`services.router.k8s_discovery`)."""
     if config.max_streams < 1:
         raise ValueError(f"--max-streams must be at least 1, got {config.max_streams}")
+    if not config.pair_cooldown_s >= 0:  # NaN too
+        raise ValueError(f"--pair-cooldown-s must be >= 0 seconds (0: pairs not remembered), "
+                         f"got {config.pair_cooldown_s}")
     stop_event = stop_event or threading.Event()
     authenticator = Authenticator.from_config(config)  # None: auth off, every front open
     if authenticator is not None:

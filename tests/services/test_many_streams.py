@@ -112,6 +112,12 @@ def test_a_router_refuses_max_streams_below_one(tiny_model_dir):
         router_main.run(RouterConfig(model=tiny_model_dir("llama"), max_streams=0))
 
 
+def test_a_router_refuses_a_negative_pair_cooldown(tiny_model_dir):
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match=f"--pair-cooldown-s must be >= 0 seconds .*, got {bad}"):
+            router_main.run(RouterConfig(model=tiny_model_dir("llama"), pair_cooldown_s=bad))
+
+
 def test_max_streams_holds_later_streams_until_one_ends(tiny_model_dir):
     prompts = [[(5 * i + 3 * j) % 3000 + 4 for j in range(12)] for i in range(3)]
     first_token_s, end_s, errors = [0.0] * 3, [0.0] * 3, []

@@ -222,7 +222,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       const int64_t* blocks = table + b * table_width;
       const cache_t* k_plane = layer_base + h * plane;
       const cache_t* v_plane = layer_base + (kv_heads + h) * plane;
-      for (int64_t j = 0; j < (fast ? 0 : group); ++j) {  // the fast path reads the bf16 query as it is
+      for (int64_t j = 0; j < (fast ? 0 : group); ++j) {  // the fast path reads the query as it is
         const q_t* src = q_base + b * q_s0 + (h * group + j) * q_s1;
         float* dst = q.data() + j * dim;
 #pragma omp simd
