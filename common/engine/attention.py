@@ -12,7 +12,8 @@ to the registered attention function unchanged. For every layer that function
 Sequences are grouped by shape: the *decode group* holds the sequences with one new token (packed first,
 in order, so its output needs no scatter); the *prefill group* the rest (prompt chunks, recomputes),
 padded to the longest chunk, unless every one is a whole prompt from position 0 (:func:`_fresh_attention`:
-each prompt on its own K/V, by a varlen kernel on CUDA or one causal SDPA per prompt). Grouped-query heads
+each prompt on its own K/V, by a varlen kernel on CUDA, the engine's flash attention on bf16 CPUs with
+AVX512-BF16, or one causal SDPA per prompt). Grouped-query heads
 are handled without repeating K/V: the query heads that share a KV head are folded into the query-length
 axis.
 """
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from common.engine import cpu_kernels
 from common.engine.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,8 @@ class AttentionGroup:
     (the usual work of a prefill worker): it counts them, and each attends causally to its own K/V in the step,
     no gather, no padding, no mask (:func:`_fresh_attention`). The prompts are the packed tokens from
     ``token_start`` on, their bounds relative to it in ``fresh_bounds`` [n + 1] (int32); ``num_keys`` is the
-    longest.
+    longest. ``cpu_prefill_kernel``: on the CPU in bf16 they may attend by the engine's kernel
+    (``torch.ops.pdserve.prefill_attention``; the engine checked that it runs here and was chosen).
     """
 
     # what PagedKVCache.gather reads: the group's block table [B, nb], flattened (None on the CPU kernel)
@@ -67,6 +70,7 @@ class AttentionGroup:
     num_keys: int = 0
     fresh_prompt: int = 0  # n whole prompts: packed tokens token_start + [fresh_bounds[i], fresh_bounds[i + 1])
     fresh_bounds: torch.Tensor | None = None  # [n + 1] int32 on the CPU
+    cpu_prefill_kernel: bool = False
     # a prefill group of several sequences: (packed index of its first new token, its first position, its new
     # tokens) per sequence, [B, 3] int64 on the CPU; each then attends by itself (_per_sequence_attention)
     seq_spans: torch.Tensor | None = None
@@ -161,11 +165,13 @@ def _fresh_attention(
     (:func:`varlen_kernel`), else one ``is_causal`` SDPA per prompt. The caller checked that no prompt is longer
     than ``sliding_window`` unless a varlen kernel runs (which applies the window itself)."""
     own = slice(group.token_start, group.token_start + int(group.fresh_bounds[-1]))
-    kernel = varlen_kernel(query)
+    kernel = varlen_kernel(query, group.cpu_prefill_kernel)
     if kernel is not None:
         # what the first call of each kind checks: the causal mask alone, or with a window that cuts a prompt
         mode = "window" if sliding_window is not None and group.num_keys > sliding_window else "causal"
-        q, k, v = (t[0, :, own].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, H, D]
+        q, k, v = (t[0, :, own].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+        if not kernel.strided:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         bounds = group.fresh_bounds.to(query.device, non_blocking=True)
         window = sliding_window if mode == "window" else None  # a window no prompt reaches is no window
         if mode in kernel.verified:
@@ -198,10 +204,11 @@ def _fresh_attention_sdpa(group, query, key, value, out, scaling, sliding_window
 
 class VarlenKernel:
     """A variable-length attention kernel over packed prompts: ``(q [T, Hq, D], k [T, Hkv, D], v, bounds [n + 1]
-    int32 on the device, longest, scale, sliding window) -> [T, Hq, D]``, each prompt causal over its own keys."""
+    int32 on the device, longest, scale, sliding window) -> [T, Hq, D]``, each prompt causal over its own keys.
+    ``strided``: q, k, v may be views with any token and head strides (unit stride in D), as the step made them."""
 
-    def __init__(self, name: str, fn: Callable) -> None:
-        self.name, self.fn = name, fn
+    def __init__(self, name: str, fn: Callable, strided: bool = False) -> None:
+        self.name, self.fn, self.strided = name, fn, strided
         self.verified: set[str] = set()  # "causal", "window": kinds of call whose output matched per-prompt SDPA
         self.failed = ""
 
@@ -239,15 +246,51 @@ def _torch_varlen() -> VarlenKernel | None:
     return VarlenKernel("torch.nn.attention.varlen.varlen_attn", run)
 
 
-def varlen_kernel(query: torch.Tensor) -> VarlenKernel | None:
+def varlen_kernel(query: torch.Tensor, cpu_kernel: bool = False) -> VarlenKernel | None:
     """The varlen kernel for ``query``'s device and dtype: flash-attn's when installed, else torch's (CUDA, fp16 or
-    bf16 only), else None (the CPU, fp32)."""
+    bf16 only); on the CPU in bf16 the engine's own where ``cpu_kernel`` (:func:`cpu_prefill_kernel_chosen`);
+    else None."""
+    if query.device.type == "cpu" and query.dtype == torch.bfloat16 and cpu_kernel:
+        if "cpu" not in _VARLEN:
+            _VARLEN["cpu"] = _cpu_prefill_varlen()
+        return _VARLEN["cpu"]
     if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
         return None
     key = f"{query.device.type}:{query.dtype}"
     if key not in _VARLEN:
         _VARLEN[key] = _flash_attn_varlen() or _torch_varlen()
     return _VARLEN[key]
+
+
+def _cpu_prefill_varlen() -> VarlenKernel:
+    def run(q, k, v, bounds, longest, scale, window):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        out = torch.empty(q.shape, dtype=q.dtype)
+        torch.ops.pdserve.prefill_attention(out, q, k, v, bounds, q.shape[-1] ** -0.5 if scale is None else scale,
+                                            window or 0)  # fmt: skip
+        return out
+
+    return VarlenKernel("pdserve.prefill_attention", run, strided=True)
+
+
+def cpu_prefill_kernel_chosen(choice: str) -> bool:
+    """Whether whole prompts attend by ``torch.ops.pdserve.prefill_attention`` for ``EngineConfig.prefill_attention``
+    ``choice``, on a CPU whose engine kernels loaded: ``kernel`` where the build has it (AVX512-BF16), ``auto``
+    there too unless the CPU has AMX (torch's flash attention runs on AMX tiles there, ~500 GFLOP/s on a 2-core
+    Xeon; this kernel is not measured against it), ``sdpa`` never. On a 2-core Zen 4 VM, 2,048 tokens of 16
+    heads of 64 over 8 KV heads: 29 ms a layer against SDPA's 71 (docs/benchmarks.md)."""
+    if choice == "sdpa":
+        return False
+    if not torch.ops.pdserve.prefill_attention_supported():
+        if choice == "kernel":
+            log.warning("prefill_attention=kernel: this build has no AVX512-BF16 kernel; prompts attend by SDPA")
+        return False
+    return choice == "kernel" or "amx_bf16" not in cpu_kernels.cpu_flags()
+
+
+def cpu_prefill_dropped() -> bool:
+    """Whether the CPU prefill kernel failed its check against SDPA in this process (prompts attend by SDPA)."""
+    return "cpu" in _VARLEN and _VARLEN["cpu"] is None
 
 
 def _verify_varlen(kernel: VarlenKernel, mode: str, got: torch.Tensor, group, query, key, value, scaling,
@@ -368,7 +411,7 @@ def paged_attention(
     out = torch.empty(num_tokens, h_q, d, dtype=query.dtype, device=query.device)
     for group in meta.groups:  # at most two: decode, prefill
         if group.fresh_prompt and (sliding_window is None or group.num_keys <= sliding_window
-                                   or varlen_kernel(query) is not None):  # fmt: skip
+                                   or varlen_kernel(query, group.cpu_prefill_kernel) is not None):  # fmt: skip
             _fresh_attention(group, query, key, value, out, scaling, sliding_window)
             continue
         if group.seq_lens is not None:

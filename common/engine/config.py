@@ -12,6 +12,7 @@ from common.engine.block_pool import PLACEMENTS
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30  # like vLLM's CPU backend default of 4 GiB
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
 WEIGHT_LAYOUTS = ("decode", "prefill")
+PREFILL_ATTENTIONS = ("auto", "kernel", "sdpa")
 
 
 @dataclass
@@ -45,6 +46,10 @@ class EngineConfig:
     # what the packed weights' layouts are chosen for: "decode" (steps of a few rows: the engine's own kernels) or
     # "prefill" (batches of prompt tokens: oneDNN's GEMM layout for bf16 on AMX CPUs; see cpu_linear)
     weight_layout: str = "decode"
+    # how whole prompts attend on the CPU in bf16: "kernel" (the engine's flash attention for AVX512-BF16 CPUs,
+    # common/engine/csrc/prefill_attention.cpp), "sdpa" (torch's), "auto" (the kernel where the CPU has
+    # AVX512-BF16 and no AMX: torch's own runs on AMX there and was not measured against it)
+    prefill_attention: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -61,6 +66,9 @@ class EngineConfig:
             )
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, got {self.weight_layout!r}")
+        if self.prefill_attention not in PREFILL_ATTENTIONS:
+            raise ValueError(f"prefill_attention must be one of {', '.join(PREFILL_ATTENTIONS)}, "
+                             f"got {self.prefill_attention!r}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 (bytes, or a fraction <= 1), got {self.kv_cache_memory!r}")
 
@@ -81,6 +89,7 @@ class EngineConfig:
             cuda_graphs=bool(getattr(settings, "cuda_graphs", False)),
             kv_block_placement=getattr(settings, "kv_block_placement", "lru"),
             weight_layout=getattr(settings, "weight_layout", "decode"),
+            prefill_attention=getattr(settings, "prefill_attention", "auto"),
         )
 
     @property

@@ -43,15 +43,19 @@ class ModelRunner:
         device: torch.device,
         decode_kernel: bool = False,
         flat_forward: bool = True,
+        prefill_kernel: bool = False,
     ) -> None:
         """``decode_kernel``: decode groups carry their block table and lengths for
         ``torch.ops.pdserve.paged_decode_attention`` (the caller checked that the kernel loaded).
+        ``prefill_kernel``: groups of whole prompts may attend by ``torch.ops.pdserve.prefill_attention`` (bf16; the
+        caller checked that it is supported here).
         ``flat_forward``: run the model through :class:`~common.engine.flat_forward.FlatForward` where it fits."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
         self.device = device
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         self.flat = FlatForward.of(model) if flat_forward else None  # the layer loop without the module tree
         self.graphs: DecodeGraphs | None = None  # set by the engine with EngineConfig.cuda_graphs
 
@@ -123,6 +127,7 @@ class ModelRunner:
                 group.fresh_prompt, group.token_start = len(prefill), int(offsets[num_decode])
                 group.num_keys = max(lengths[num_decode:])
                 group.fresh_bounds = torch.tensor([0] + lengths[num_decode:]).cumsum(0, dtype=torch.int32)
+                group.cpu_prefill_kernel = self.prefill_kernel
             elif len(prefill) > 1 and _padding_waste(starts[num_decode:], lengths[num_decode:]) > PER_SEQUENCE_WASTE:
                 # each sequence over its own keys: padded to the longest, the attention would do much more work
                 group.seq_spans = torch.stack((offsets[num_decode:], p_start, p_len), dim=1)
@@ -259,6 +264,7 @@ def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
         num_keys=group.num_keys,
         fresh_prompt=group.fresh_prompt,
         fresh_bounds=group.fresh_bounds,
+        cpu_prefill_kernel=group.cpu_prefill_kernel,
         seq_spans=group.seq_spans,
         block_table=group.block_table,
         seq_lens=group.seq_lens,

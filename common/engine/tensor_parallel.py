@@ -407,8 +407,8 @@ def _encode_fields(obj: Any, ints: list[int], tensors: list[torch.Tensor], where
             ints += [_TENSOR, _DTYPES.index(value.dtype), int(value.device.type != "cpu"), value.dim(),
                      *value.shape]
             tensors.append(value)
-        elif isinstance(value, int) and not isinstance(value, bool):
-            ints += [_INT, value]
+        elif isinstance(value, int):  # a bool goes as 0 / 1 (read back as an int: the same truth)
+            ints += [_INT, int(value)]
         elif isinstance(value, list) and f.name in _LISTS:
             ints += [_LIST, len(value)]
             for i, item in enumerate(value):

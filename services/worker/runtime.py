@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.engine import attention
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.engine_loop import EngineLoop
@@ -222,6 +223,8 @@ def serve_worker(
             return {"role": role, "id": worker_id, "redis": redis_state,
                     "kv_block_placement": engine.block_pool.placement,
                     "weight_layout": engine.config.weight_layout,
+                    "prefill_attention": ("kernel" if getattr(engine.runner, "prefill_kernel", False)
+                                          and not attention.cpu_prefill_dropped() else "sdpa"),
                     "num_requests_running": stats.num_requests_running,
                     "num_requests_waiting": stats.num_requests_waiting, **(parts.details() if parts.details else {}),
                     **({"gpu": gpu.health()} if gpu is not None else {})}

@@ -119,7 +119,7 @@ def reference_varlen(calls: list):
 
 
 def use_kernel(monkeypatch, kernel: VarlenKernel) -> None:
-    monkeypatch.setattr(attention, "varlen_kernel", lambda query: None if kernel.failed else kernel)
+    monkeypatch.setattr(attention, "varlen_kernel", lambda query, cpu_kernel=False: None if kernel.failed else kernel)
 
 
 @pytest.mark.parametrize("arch,overrides,lens,window", [
