@@ -57,7 +57,9 @@ class AttentionGroup:
     no gather, no padding, no mask (:func:`_fresh_attention`). The prompts are the packed tokens from
     ``token_start`` on, their bounds relative to it in ``fresh_bounds`` [n + 1] (int32); ``num_keys`` is the
     longest. ``cpu_prefill_kernel``: on the CPU in bf16 they may attend by the engine's kernel
-    (``torch.ops.pdserve.prefill_attention``; the engine checked that it runs here and was chosen).
+    (``torch.ops.pdserve.prefill_attention``; the engine checked that it runs here and was chosen). Any other
+    prefill group then carries ``kernel_table`` and ``kernel_spans`` (``num_keys``: its most keys) for
+    ``torch.ops.pdserve.paged_prefill_attention``, which reads its keys from the cache.
     """
 
     # what PagedKVCache.gather reads: the group's block table [B, nb], flattened (None on the CPU kernel)
@@ -71,6 +73,10 @@ class AttentionGroup:
     fresh_prompt: int = 0  # n whole prompts: packed tokens token_start + [fresh_bounds[i], fresh_bounds[i + 1])
     fresh_bounds: torch.Tensor | None = None  # [n + 1] int32 on the CPU
     cpu_prefill_kernel: bool = False
+    # a prefill group of chunks continuing their sequences, on the CPU kernel in bf16: its block table [B, nb] and
+    # (packed index of the first new token, its position, new tokens) per sequence [B, 3], int64, contiguous
+    kernel_table: torch.Tensor | None = None
+    kernel_spans: torch.Tensor | None = None
     # a prefill group of several sequences: (packed index of its first new token, its first position, its new
     # tokens) per sequence, [B, 3] int64 on the CPU; each then attends by itself (_per_sequence_attention)
     seq_spans: torch.Tensor | None = None
@@ -289,8 +295,9 @@ def cpu_prefill_kernel_chosen(choice: str) -> bool:
 
 
 def cpu_prefill_dropped() -> bool:
-    """Whether the CPU prefill kernel failed its check against SDPA in this process (prompts attend by SDPA)."""
-    return "cpu" in _VARLEN and _VARLEN["cpu"] is None
+    """Whether a CPU prefill kernel (whole prompts, or chunks continuing their sequences) failed its check in this
+    process (those prompts attend by SDPA)."""
+    return any(k in _VARLEN and _VARLEN[k] is None for k in ("cpu", "cpu-paged"))
 
 
 def _verify_varlen(kernel: VarlenKernel, mode: str, got: torch.Tensor, group, query, key, value, scaling,
@@ -419,16 +426,60 @@ def paged_attention(
                 group, meta, layer, q_tok, scaling, sliding_window
             )
             continue
-        k, v = meta.gather(layer, group)
-        if group.seq_spans is not None:
-            _per_sequence_attention(group, q_tok, k, v, out, scaling, sliding_window)
+        if group.kernel_spans is not None and _paged_prefill(group, meta, layer, q_tok, out, scaling, sliding_window):
             continue
-        o = _group_attention(group, q_tok, k.to(query.dtype), v.to(query.dtype), scaling, sliding_window)
-        if group.token_index is None:
-            out[group.token_start : group.token_start + o.shape[0]] = o[:, 0]
-        else:
-            out[group.token_index[group.valid]] = o[group.valid]
+        _gathered_attention(group, meta, layer, q_tok, out, scaling, sliding_window)
     return out.unsqueeze(0), None
+
+
+def _gathered_attention(group, meta, layer, q_tok, out, scaling, sliding_window) -> None:
+    """A group's keys gathered from the cache, then one sequence at a time (``seq_spans``) or all padded to one
+    masked SDPA; its rows of ``out`` written."""
+    k, v = meta.gather(layer, group)
+    if group.seq_spans is not None:
+        _per_sequence_attention(group, q_tok, k, v, out, scaling, sliding_window)
+        return
+    o = _group_attention(group, q_tok, k.to(q_tok.dtype), v.to(q_tok.dtype), scaling, sliding_window)
+    if group.token_index is None:
+        out[group.token_start : group.token_start + o.shape[0]] = o[:, 0]
+    else:
+        out[group.token_index[group.valid]] = o[group.valid]
+
+
+def _paged_prefill(group, meta, layer, q_tok, out, scaling, sliding_window) -> bool:
+    """Prefill chunks that continue their sequences, by ``torch.ops.pdserve.paged_prefill_attention`` (keys read
+    from the paged cache, no gather, no padding, no mask tensor); False when that kernel was dropped. Its first call
+    of each kind (causal, sliding window) is checked against the gathered path, as a varlen kernel's first call is,
+    and the kernel dropped for good on a difference or an exception (the gathered result is then the output)."""
+    kernel = _VARLEN.setdefault("cpu-paged", VarlenKernel("pdserve.paged_prefill_attention", None))
+    if kernel is None:
+        return False
+    mode = "window" if sliding_window is not None and group.num_keys > sliding_window else "causal"
+    window = sliding_window if mode == "window" else 0
+    scale = q_tok.shape[-1] ** -0.5 if scaling is None else scaling
+
+    def run(into: torch.Tensor) -> None:
+        torch.ops.pdserve.paged_prefill_attention(into, q_tok, meta.kv_cache.data, layer, group.kernel_table,
+                                                  group.kernel_spans, scale, window)  # fmt: skip
+
+    if mode in kernel.verified:
+        run(out)
+        return True
+    want = out.clone()
+    try:
+        run(out)
+    except Exception as exc:  # noqa: BLE001  (a check of the kernel's own: the gathered path serves)
+        _drop_varlen(kernel, f"raised {exc!r}")
+        return False
+    _gathered_attention(group, meta, layer, q_tok, want, scaling, sliding_window)
+    diff = float((out.float() - want.float()).abs().max())
+    tolerance = 1e-2 * max(1.0, float(want.float().abs().max()))
+    if diff <= tolerance:
+        kernel.verified.add(mode)
+    else:
+        _drop_varlen(kernel, f"max |difference| {diff:.3g} from the gathered path > {tolerance:.3g} ({mode})")
+        out.copy_(want)
+    return True
 
 
 def register() -> str:

@@ -128,6 +128,10 @@ class ModelRunner:
                 group.num_keys = max(lengths[num_decode:])
                 group.fresh_bounds = torch.tensor([0] + lengths[num_decode:]).cumsum(0, dtype=torch.int32)
                 group.cpu_prefill_kernel = self.prefill_kernel
+            elif self.prefill_kernel:  # chunks continuing their sequences: keys read in place from the cache
+                group.kernel_table = table[num_decode:, :nb].contiguous()
+                group.kernel_spans = torch.stack((offsets[num_decode:], p_start, p_len), dim=1).contiguous()
+                group.num_keys = int((p_start + p_len).max())
             elif len(prefill) > 1 and _padding_waste(starts[num_decode:], lengths[num_decode:]) > PER_SEQUENCE_WASTE:
                 # each sequence over its own keys: padded to the longest, the attention would do much more work
                 group.seq_spans = torch.stack((offsets[num_decode:], p_start, p_len), dim=1)
@@ -265,6 +269,8 @@ def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
         fresh_prompt=group.fresh_prompt,
         fresh_bounds=group.fresh_bounds,
         cpu_prefill_kernel=group.cpu_prefill_kernel,
+        kernel_table=group.kernel_table,
+        kernel_spans=group.kernel_spans,
         seq_spans=group.seq_spans,
         block_table=group.block_table,
         seq_lens=group.seq_lens,

@@ -79,29 +79,30 @@ inline uint32_t pair_at(const c10::BFloat16* row, int64_t p) {
 }
 
 struct Layout {
-  const c10::BFloat16 *q, *k, *v;
+  const c10::BFloat16* q;
   c10::BFloat16* out;
-  int64_t q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, o_s0, o_s1;
+  int64_t q_s0, q_s1, o_s0, o_s1;
   int64_t q_heads, kv_heads, dim;
   float scale_log2;  // scale * log2(e)
   int64_t window;    // 0: none
 };
 
-// K and V of one (prompt, KV head), keys [t0, t0 + len), into kp ([blocks][dim / 2][BK] pairs) and vp
-// ([blocks][BK / 2][dim] pairs), zero past len.
-void pack_kv(const Layout& L, int64_t t0, int64_t len, int64_t g, uint32_t* kp, uint32_t* vp) {
-  const int64_t blocks = (len + BK - 1) / BK, half = L.dim / 2;
+// The keys [0, len) of one (sequence, KV head), whose K and V rows key_row(j) and value_row(j) give, into kp
+// ([blocks][dim / 2][BK] pairs) and vp ([blocks][BK / 2][dim] pairs), zero past len.
+template <typename KeyRow, typename ValueRow>
+void pack_kv(int64_t len, int64_t dim, const KeyRow& key_row, const ValueRow& value_row, uint32_t* kp, uint32_t* vp) {
+  const int64_t blocks = (len + BK - 1) / BK, half = dim / 2;
   std::memset(kp, 0, sizeof(uint32_t) * blocks * half * BK);
-  std::memset(vp, 0, sizeof(uint32_t) * blocks * (BK / 2) * L.dim);
+  std::memset(vp, 0, sizeof(uint32_t) * blocks * (BK / 2) * dim);
   for (int64_t j = 0; j < len; ++j) {
-    const c10::BFloat16* krow = L.k + (t0 + j) * L.k_s0 + g * L.k_s1;
+    const c10::BFloat16* krow = key_row(j);
     uint32_t* dst = kp + (j / BK) * half * BK + j % BK;
     for (int64_t p = 0; p < half; ++p) dst[p * BK] = pair_at(krow, p);
   }
   for (int64_t j = 0; j < len; ++j) {
-    const uint16_t* vrow = reinterpret_cast<const uint16_t*>(L.v + (t0 + j) * L.v_s0 + g * L.v_s1);
-    uint16_t* dst = reinterpret_cast<uint16_t*>(vp + (j / BK) * (BK / 2) * L.dim + (j % BK) / 2 * L.dim) + (j & 1);
-    for (int64_t d = 0; d < L.dim; ++d) dst[2 * d] = vrow[d];
+    const uint16_t* vrow = reinterpret_cast<const uint16_t*>(value_row(j));
+    uint16_t* dst = reinterpret_cast<uint16_t*>(vp + (j / BK) * (BK / 2) * dim + (j % BK) / 2 * dim) + (j & 1);
+    for (int64_t d = 0; d < dim; ++d) dst[2 * d] = vrow[d];
   }
 }
 
@@ -155,9 +156,10 @@ inline void weigh_rows(float* o, int64_t dim, const float* alpha, const uint32_t
   }
 }
 
-// Rows [r0, r0 + R) of one item over key block kb: scores, online softmax (m, l), probabilities, outputs.
+// Rows [r0, r0 + R) of one item (query rows t0 + r0.., at positions pos0 + r0..) over key block kb: scores,
+// online softmax (m, l), probabilities, outputs.
 template <int R>
-void rows_over_block(const Layout& L, int64_t t0, int64_t h, int64_t r0, int64_t kb, bool masked,
+void rows_over_block(const Layout& L, int64_t t0, int64_t pos0, int64_t h, int64_t r0, int64_t kb, bool masked,
                      const uint32_t* kp, const uint32_t* vp, float* o, float* m, __m512* l) {
   const int64_t half = L.dim / 2;
   const c10::BFloat16* qrows[RS];
@@ -172,7 +174,7 @@ void rows_over_block(const Layout& L, int64_t t0, int64_t h, int64_t r0, int64_t
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < 4; ++c) valid[r][c] = 0xFFFF;
     if (masked) {  // key j visible to the row at position i iff j <= i (and j > i - window)
-      const int64_t i = r0 + r;
+      const int64_t i = pos0 + r0 + r;
       const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
       for (int c = 0; c < 4; ++c) {
         const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(kb * BK + 16 * c)));
@@ -213,34 +215,80 @@ void finish_rows(const Layout& L, int64_t t0, int64_t h, int64_t r0, const float
 }
 
 template <int R>
-void group_rows(const Layout& L, int64_t t0, int64_t h, int64_t r0, const uint32_t* kp, const uint32_t* vp,
-                float* o) {
+void group_rows(const Layout& L, int64_t t0, int64_t pos0, int64_t h, int64_t r0, const uint32_t* kp,
+                const uint32_t* vp, float* o) {
   float m[RS];
   __m512 l[RS];
   for (int r = 0; r < R; ++r) m[r] = NEG, l[r] = _mm512_setzero_ps();
   std::fill(o, o + R * L.dim, 0.f);
-  const int64_t last = r0 + R - 1;  // the group's last row sees the most keys
-  const int64_t first_key = L.window > 0 ? std::max<int64_t>(0, r0 - L.window + 1) : 0;
+  const int64_t first = pos0 + r0, last = first + R - 1;  // positions; the group's last row sees the most keys
+  const int64_t first_key = L.window > 0 ? std::max<int64_t>(0, first - L.window + 1) : 0;
   for (int64_t kb = first_key / BK; kb <= last / BK; ++kb) {
     const int64_t k0 = kb * BK, k1 = k0 + BK - 1;
-    const bool masked = k1 > r0 || (L.window > 0 && k0 <= last - L.window);
-    rows_over_block<R>(L, t0, h, r0, kb, masked, kp, vp, o, m, l);
+    const bool masked = k1 > first || (L.window > 0 && k0 <= last - L.window);
+    rows_over_block<R>(L, t0, pos0, h, r0, kb, masked, kp, vp, o, m, l);
   }
   finish_rows<R>(L, t0, h, r0, o, l);
 }
 
-// One item: query head h of a prompt at t0, rows [i0, i1).
-void attend_item(const Layout& L, int64_t t0, int64_t h, int64_t i0, int64_t i1, const uint32_t* kp,
+// One item: query head h of a sequence whose queries are rows t0.. at positions pos0.., rows [i0, i1) of them.
+void attend_item(const Layout& L, int64_t t0, int64_t pos0, int64_t h, int64_t i0, int64_t i1, const uint32_t* kp,
                  const uint32_t* vp) {
   alignas(64) float o[RS * MAX_DIM];
   int64_t r0 = i0;
-  for (; r0 + RS <= i1; r0 += RS) group_rows<RS>(L, t0, h, r0, kp, vp, o);
+  for (; r0 + RS <= i1; r0 += RS) group_rows<RS>(L, t0, pos0, h, r0, kp, vp, o);
   switch (i1 - r0) {
-    case 3: group_rows<3>(L, t0, h, r0, kp, vp, o); break;
-    case 2: group_rows<2>(L, t0, h, r0, kp, vp, o); break;
-    case 1: group_rows<1>(L, t0, h, r0, kp, vp, o); break;
+    case 3: group_rows<3>(L, t0, pos0, h, r0, kp, vp, o); break;
+    case 2: group_rows<2>(L, t0, pos0, h, r0, kp, vp, o); break;
+    case 1: group_rows<1>(L, t0, pos0, h, r0, kp, vp, o); break;
     default: break;
   }
+}
+
+// A sequence of a call: queries at rows [t0, t0 + n) of q and out, at positions [pos0, pos0 + n); keys [0, pos0 + n).
+struct Seq {
+  int64_t t0, pos0, n;
+};
+
+// Every sequence's attention: each (sequence, KV head) packed by pack(i, g, kp, vp), then items (sequence, query
+// head, block of BQ rows), the most keys first, claimed by the threads as they come.
+template <typename Pack>
+void attend(const Layout& L, const std::vector<Seq>& seqs, const Pack& pack) {
+  const int64_t n = static_cast<int64_t>(seqs.size()), group = L.q_heads / L.kv_heads, dim = L.dim;
+  std::vector<int64_t> pack_at(n + 1, 0), blocks(n);  // packed K|V of sequence i: offsets in uint32s
+  for (int64_t i = 0; i < n; ++i) {
+    blocks[i] = (seqs[i].pos0 + seqs[i].n + BK - 1) / BK;
+    pack_at[i + 1] = pack_at[i] + L.kv_heads * blocks[i] * BK * dim / 2;  // dim / 2 pairs a key
+  }
+  std::vector<uint32_t> packed(static_cast<size_t>(2 * pack_at[n]));
+  auto k_of = [&](int64_t i, int64_t g) { return packed.data() + 2 * pack_at[i] + g * blocks[i] * BK * dim; };
+  auto v_of = [&](int64_t i, int64_t g) { return k_of(i, g) + blocks[i] * BK * dim / 2; };
+  pdserve::parallel_claim(n * L.kv_heads, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t i = w / L.kv_heads, g = w % L.kv_heads;
+      if (seqs[i].n > 0) pack(i, g, k_of(i, g), v_of(i, g));
+    }
+  });
+  struct Item {
+    int64_t keys, seq, head, row;
+  };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t r = 0; r < seqs[i].n; r += BQ) {
+      const int64_t last = seqs[i].pos0 + std::min<int64_t>(r + BQ, seqs[i].n);
+      const int64_t first = L.window > 0 ? std::max<int64_t>(0, seqs[i].pos0 + r - L.window + 1) : 0;
+      for (int64_t h = 0; h < L.q_heads; ++h) items.push_back({last - first, i, h, r});
+    }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.keys > y.keys; });
+  pdserve::parallel_claim(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const Item& it = items[w];
+      const Seq& sq = seqs[it.seq];
+      const int64_t g = it.head / group;
+      attend_item(L, sq.t0, sq.pos0, it.head, it.row, std::min<int64_t>(it.row + BQ, sq.n), k_of(it.seq, g),
+                  v_of(it.seq, g));
+    }
+  });
 }
 
 #endif  // __AVX512BF16__
@@ -263,57 +311,73 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   TORCH_CHECK(b[0] >= 0 && b[n] <= tokens, "bounds outside the tokens");
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(b[i] <= b[i + 1], "bounds must not decrease");
 
-  Layout L{q.data_ptr<c10::BFloat16>(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(),
-           out.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-           v.stride(1), out.stride(0), out.stride(1), q.size(1), k.size(1), dim,
-           static_cast<float>(scale * 1.4426950408889634), window > 0 ? window : 0};
-  const int64_t group = L.q_heads / L.kv_heads, half = dim / 2;
-
-  // packed K|V per (prompt, KV head): offsets in uint32s
-  std::vector<int64_t> pack_at(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t blocks = (b[i + 1] - b[i] + BK - 1) / BK;
-    pack_at[i + 1] = pack_at[i] + L.kv_heads * blocks * BK * dim;  // K and V: dim / 2 pairs a key each
-  }
-  std::vector<uint32_t> packed(static_cast<size_t>(2 * pack_at[n]));
-  uint32_t* kbase = packed.data();
-  uint32_t* vbase = packed.data() + pack_at[n];
-  auto k_of = [&](int64_t i, int64_t g) {
-    return kbase + pack_at[i] + g * ((b[i + 1] - b[i] + BK - 1) / BK) * half * BK;
-  };
-  auto v_of = [&](int64_t i, int64_t g) {
-    return vbase + pack_at[i] + g * ((b[i + 1] - b[i] + BK - 1) / BK) * (BK / 2) * dim;
-  };
-  pdserve::parallel_claim(n * L.kv_heads, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t i = w / L.kv_heads, g = w % L.kv_heads;
-      if (b[i + 1] > b[i]) pack_kv(L, b[i], b[i + 1] - b[i], g, k_of(i, g), v_of(i, g));
-    }
-  });
-
-  // items (prompt, query head, row block), the most keys first
-  struct Item {
-    int64_t keys, prompt, head, row;
-  };
-  std::vector<Item> items;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t r = 0; r < b[i + 1] - b[i]; r += BQ)
-      for (int64_t h = 0; h < L.q_heads; ++h) {
-        const int64_t last = std::min<int64_t>(r + BQ, b[i + 1] - b[i]);
-        const int64_t first = window > 0 ? std::max<int64_t>(0, r - window + 1) : 0;
-        items.push_back({last - first, i, h, r});
-      }
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.keys > y.keys; });
-  pdserve::parallel_claim(static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t w = lo; w < hi; ++w) {
-      const Item& it = items[w];
-      const int64_t len = b[it.prompt + 1] - b[it.prompt], g = it.head / group;
-      attend_item(L, b[it.prompt], it.head, it.row, std::min<int64_t>(it.row + BQ, len), k_of(it.prompt, g),
-                  v_of(it.prompt, g));
-    }
+  Layout L{q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1), out.stride(0),
+           out.stride(1), q.size(1), k.size(1), dim, static_cast<float>(scale * 1.4426950408889634),
+           window > 0 ? window : 0};
+  std::vector<Seq> seqs;
+  for (int64_t i = 0; i < n; ++i) seqs.push_back({b[i], 0, b[i + 1] - b[i]});
+  const c10::BFloat16 *kd = k.data_ptr<c10::BFloat16>(), *vd = v.data_ptr<c10::BFloat16>();
+  const int64_t k_s0 = k.stride(0), k_s1 = k.stride(1), v_s0 = v.stride(0), v_s1 = v.stride(1);
+  attend(L, seqs, [&](int64_t i, int64_t g, uint32_t* kp, uint32_t* vp) {
+    const int64_t t0 = seqs[i].t0;
+    pack_kv(seqs[i].n, dim, [&](int64_t j) { return kd + (t0 + j) * k_s0 + g * k_s1; },
+            [&](int64_t j) { return vd + (t0 + j) * v_s0 + g * v_s1; }, kp, vp);
   });
 #else
   TORCH_CHECK(false, "prefill_attention needs a build for a CPU with AVX512-BF16 (see prefill_attention_supported)");
+#endif
+}
+
+// Prefill chunks continuing their sequences (after a cached prefix, a long prompt's later chunks): queries of
+// sequence b at rows spans[b][0].. of q/out and positions spans[b][1].., spans[b][2] of them; keys 0 ..
+// spans[b][1] + spans[b][2] - 1 read from the paged cache (the step's own already written there) by
+// block_table[b]. Cache layout (common/engine/kv_cache.py): [layers, 2 (K|V), kv_heads, num_blocks, block_size,
+// head_dim].
+void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, int64_t layer,
+                             const at::Tensor& block_table, const at::Tensor& spans, double scale, int64_t window) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.sizes() == q.sizes(), "q, out: [tokens, heads, dim]");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &out, &cache})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1, "q, out, cache: bfloat16, unit dim stride");
+  TORCH_CHECK(cache.dim() == 6 && cache.size(1) == 2 && cache.size(5) == q.size(2), "cache: [L, 2, H, NB, bs, D]");
+  TORCH_CHECK(layer >= 0 && layer < cache.size(0), "layer out of range: ", layer);
+  const int64_t tokens = q.size(0), dim = q.size(2), kv_heads = cache.size(2), num_blocks = cache.size(3);
+  const int64_t block_size = cache.size(4);
+  TORCH_CHECK(q.size(1) % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(dim % 16 == 0 && dim <= MAX_DIM, "head dim must be a multiple of 16, at most ", MAX_DIM);
+  TORCH_CHECK(spans.scalar_type() == at::kLong && spans.is_contiguous() && spans.dim() == 2 && spans.size(1) == 3,
+              "spans: contiguous [B, 3] int64 (row, position, count)");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
+                  block_table.size(0) == spans.size(0),
+              "block_table: contiguous [B, nb] int64");
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t width = block_table.size(1);
+  std::vector<Seq> seqs;
+  for (int64_t b = 0; b < spans.size(0); ++b) {
+    const Seq sq{sp[3 * b], sp[3 * b + 1], sp[3 * b + 2]};
+    TORCH_CHECK(sq.t0 >= 0 && sq.pos0 >= 0 && sq.n >= 0 && sq.t0 + sq.n <= tokens, "spans[", b, "] outside q");
+    TORCH_CHECK(sq.pos0 + sq.n <= width * block_size, "spans[", b, "]: keys past the block table");
+    for (int64_t i = 0; i < (sq.pos0 + sq.n + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(table[b * width + i] >= 0 && table[b * width + i] < num_blocks, "block id ", table[b * width + i],
+                  " out of range");
+    seqs.push_back(sq);
+  }
+  Layout L{q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1), out.stride(0),
+           out.stride(1), q.size(1), kv_heads, dim, static_cast<float>(scale * 1.4426950408889634),
+           window > 0 ? window : 0};
+  const c10::BFloat16* base = cache.data_ptr<c10::BFloat16>() + layer * cache.stride(0);
+  const int64_t kv_s = cache.stride(1), head_s = cache.stride(2), block_s = cache.stride(3), slot_s = cache.stride(4);
+  attend(L, seqs, [&](int64_t b, int64_t g, uint32_t* kp, uint32_t* vp) {
+    const int64_t* blocks = table + b * width;
+    auto row = [&](int64_t kv, int64_t j) {
+      return base + kv * kv_s + g * head_s + blocks[j / block_size] * block_s + (j % block_size) * slot_s;
+    };
+    pack_kv(seqs[b].pos0 + seqs[b].n, dim, [&](int64_t j) { return row(0, j); }, [&](int64_t j) { return row(1, j); },
+            kp, vp);
+  });
+#else
+  TORCH_CHECK(false, "paged_prefill_attention needs a build for a CPU with AVX512-BF16");
 #endif
 }
 
@@ -326,4 +390,8 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
       "prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor bounds, float scale, int window) -> "
       "()");
   m.impl("prefill_attention", c10::DispatchKey::CPU, TORCH_FN(prefill_attention));
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor cache, int layer, Tensor block_table, Tensor spans, "
+      "float scale, int window) -> ()");
+  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, TORCH_FN(paged_prefill_attention));
 }

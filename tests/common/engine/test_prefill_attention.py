@@ -173,3 +173,104 @@ def test_prefill_attention_chooses(tiny_model_dir, counted_kernel):
     sdpa = LLMEngine(load_model(d, dtype="bfloat16"), EngineConfig(prefill_attention="sdpa"))
     sdpa.generate([[5] * 30], SamplingParams(max_new_tokens=2, **GREEDY))
     assert calls == []
+
+
+def paged_case(seqs, heads, kv_heads, dim, block_size=16, seed=0, spread=1.0):
+    """A bf16 paged cache holding each sequence's keys [0, start + n) in scattered blocks, the step's queries
+    (n rows per sequence, packed, strided as the step's are), the block table and spans (row, position, n)."""
+    from common.engine.kv_cache import KVCacheSpec, PagedKVCache
+
+    g = torch.Generator().manual_seed(seed)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=dim, block_size=block_size, dtype=torch.bfloat16)
+    width = max(-(-(s + n) // block_size) for s, n in seqs)
+    cache = PagedKVCache(spec, len(seqs) * width + 3)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+    table = torch.randperm(cache.data.shape[3], generator=g)[: len(seqs) * width].view(len(seqs), width)
+    rows = sum(n for _, n in seqs)
+    q = (torch.randn(rows, heads + 8, dim, generator=g) * spread).to(torch.bfloat16)[:, 3 : 3 + heads]  # strided
+    starts = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)[:-1]
+    spans = torch.tensor([[int(r), s, n] for r, (s, n) in zip(starts, seqs)], dtype=torch.long).view(-1, 3)
+    return q, cache, table, spans
+
+
+def paged_reference(q, cache, layer, table, spans, scale, window, dtype=torch.float64):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    kv = cache.data[layer]  # [2, H, NB, bs, D]
+    bs = cache.spec.block_size
+    group = q.shape[1] // kv.shape[1]
+    for b, (row, start, n) in enumerate(spans.tolist()):
+        if n == 0:
+            continue
+        keys = torch.arange(start + n)
+        blocks = table[b, keys // bs]
+        k = kv[0][:, blocks, keys % bs].to(dtype).repeat_interleave(group, 0)  # [Hq, K, D]
+        v = kv[1][:, blocks, keys % bs].to(dtype).repeat_interleave(group, 0)
+        pos = torch.arange(start, start + n)[:, None]
+        mask = keys[None, :] <= pos
+        if window:
+            mask &= keys[None, :] > pos - window
+        o = F.scaled_dot_product_attention(q[row : row + n].to(dtype).transpose(0, 1), k, v, attn_mask=mask,
+                                           scale=scale)  # fmt: skip
+        out[row : row + n] = o.transpose(0, 1).double()
+    return out
+
+
+@pytest.mark.parametrize("seqs,heads,kv_heads,dim,window,block_size", [
+    ([(0, 40)], 2, 1, 64, 0, 16),
+    ([(64, 64), (100, 7), (3, 130)], 4, 2, 64, 0, 16),  # chunks after prefixes, one a block's edge off
+    ([(500, 33), (0, 1), (17, 0)], 4, 4, 128, 0, 32),  # a long prefix, a lone token, an empty span
+    ([(200, 80), (31, 50)], 6, 2, 96, 45, 16),  # sliding window across the prefix
+])  # fmt: skip
+def test_paged_kernel_reads_the_cache_within_bf16_rounding(seqs, heads, kv_heads, dim, window, block_size):
+    q, cache, table, spans = paged_case(seqs, heads, kv_heads, dim, block_size, seed=dim + len(seqs), spread=2.0)
+    scale = dim**-0.5
+    got = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    torch.ops.pdserve.paged_prefill_attention(got, q, cache.data, 1, table, spans, scale, window)
+    want = paged_reference(q, cache, 1, table, spans, scale, window)
+    err, floor = (got.double() - want).abs(), (want.to(torch.bfloat16).double() - want).abs()
+    filled = sum(n for _, n in seqs)
+    assert not got[:filled].isnan().any()
+    assert err.max() <= max(3 * floor.max(), 1e-2), (err.max(), floor.max())
+    assert err.mean() <= 1.6 * floor.mean(), (err.mean(), floor.mean())
+    other = torch.empty_like(got)  # another layer's keys give other outputs: the layer is read, not assumed
+    torch.ops.pdserve.paged_prefill_attention(other, q, cache.data, 0, table, spans, scale, window)
+    assert (other.double() - want).abs().mean() > 10 * floor.mean()
+
+
+def test_paged_kernel_refuses_what_would_read_out_of_bounds():
+    q, cache, table, spans = paged_case([(20, 10)], 2, 1, 64)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    call = torch.ops.pdserve.paged_prefill_attention
+    with pytest.raises(RuntimeError, match="out of range"):
+        call(out, q, cache.data, 0, torch.full_like(table, 10_000), spans, 0.1, 0)
+    with pytest.raises(RuntimeError, match="past the block table"):
+        call(out, q, cache.data, 0, table, torch.tensor([[0, 30, 10]]), 0.1, 0)
+    with pytest.raises(RuntimeError, match="outside q"):
+        call(out, q, cache.data, 0, table, torch.tensor([[5, 20, 10]]), 0.1, 0)
+    with pytest.raises(RuntimeError, match="layer out of range"):
+        call(out, q, cache.data, 2, table, spans, 0.1, 0)
+
+
+@pytest.mark.parametrize("arch,overrides,mode", [("llama", {}, "causal"),
+                                                 ("mistral", {"sliding_window": 24}, "window")])  # fmt: skip
+def test_an_engine_prefills_long_prompts_in_chunks_by_the_kernel(arch, overrides, mode, tiny_model_dir, monkeypatch):
+    """Prompts longer than the step's budget: the chunks after the first read their keys from the cache by the
+    kernel (checked once against the gathered path); the first token's logprob within bf16 rounding of stock
+    bf16's full forward, and that token among stock's best."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(attention, "_VARLEN", {})
+    d = tiny_model_dir(arch, **overrides)
+    engine = LLMEngine(load_model(d, dtype="bfloat16"),
+                       EngineConfig(prefill_attention="kernel", max_num_batched_tokens=64, prefix_caching=False))
+    reference = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    prompts = make_prompts(engine.vocab_size, lens=[150, 97, 230], seed=5)
+    results = engine.generate(prompts, [SamplingParams(max_new_tokens=1, logprobs=3, **GREEDY)] * len(prompts))
+    for prompt, result in zip(prompts, results):
+        first = result.logprobs[0]
+        with torch.no_grad():
+            stock = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        assert abs(first.logprob - float(stock[first.token_id])) < 0.15
+        assert float(stock[first.token_id]) >= float(stock.max()) - 0.15
+    paged = attention._VARLEN["cpu-paged"]
+    assert paged is not None and paged.verified == {mode} and not paged.failed
