@@ -23,4 +23,5 @@ def kernel_use(engine) -> dict[str, bool]:
     """Which of the engine's CPU kernels this engine runs (figures depend on it; see common/engine/cpu_kernels)."""
     layouts = {getattr(m, "layout", None) for m in engine.loaded.model.modules()}
     return {"attention_rmsnorm": bool(engine.runner.decode_kernel), "bf16_linear": "bf16_pairs" in layouts,
-            "bf16_amx": "bf16_amx" in layouts, "fp32_linear": "fp32_blocks" in layouts}
+            "bf16_amx": "bf16_amx" in layouts, "fp32_linear": "fp32_blocks" in layouts,
+            "prefill_attention": bool(engine.runner.prefill_kernel)}

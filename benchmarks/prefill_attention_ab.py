@@ -8,10 +8,11 @@
   SDPA); the time to its first token;
 - ``prefixes``: 8 prompts, each a cached prefix of 256-1,024 tokens and 64-192 new ones (a session's next turn).
 
-Prefix caching is off except for ``prefixes`` (whose prefixes are prefilled once, untimed). bf16 only; needs a CPU
-whose kernels build with AVX512-BF16 (``prefill_attention_supported``).
+Prefix caching is off except for ``prefixes`` (whose prefixes are prefilled once, untimed). Needs a CPU whose
+kernels build for ``--dtype`` (``prefill_attention_supported``: bf16 with AVX512-BF16, fp32 with AVX-512).
 
-  python benchmarks/prefill_attention_ab.py [--size 350m] [--rounds 3] [--workloads fresh,chunked,prefixes]
+  python benchmarks/prefill_attention_ab.py [--size 350m|60m] [--dtype bfloat16|float32] [--rounds 3]
+                                            [--workloads fresh,chunked,prefixes]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
     ap.add_argument("--size", default="350m", choices=("60m", "350m"))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fresh-len", type=int, default=2048)
@@ -59,10 +61,11 @@ def main() -> int:
     path = model_dir(args.model, args.size)
     from common.engine import cpu_kernels
 
-    if not (cpu_kernels.load() and torch.ops.pdserve.prefill_attention_supported()):
-        raise SystemExit("no AVX512-BF16 prefill attention kernel on this CPU")
+    dtype = getattr(torch, args.dtype)
+    if not (cpu_kernels.load() and torch.ops.pdserve.prefill_attention_supported(dtype)):
+        raise SystemExit(f"no {args.dtype} prefill attention kernel on this CPU")
     g = torch.Generator().manual_seed(0)
-    vocab = load_model(path, dtype="bfloat16").model.config.vocab_size
+    vocab = load_model(path, dtype=args.dtype).model.config.vocab_size
 
     def tokens(n: int) -> list[int]:
         return torch.randint(10, vocab - 1, (n,), generator=g).tolist()
@@ -71,7 +74,7 @@ def main() -> int:
     for name in workloads:
         caching = name == "prefixes"
         budget = args.chunk if name == "chunked" else max(args.fresh_len, 4096)
-        engines = {how: LLMEngine(load_model(path, dtype="bfloat16"),
+        engines = {how: LLMEngine(load_model(path, dtype=args.dtype),
                                   EngineConfig(prefill_attention=how, max_model_len=4096, prefix_caching=caching,
                                                max_num_batched_tokens=budget))
                    for how in ("kernel", "sdpa")}  # fmt: skip

@@ -254,12 +254,13 @@ def _torch_varlen() -> VarlenKernel | None:
 
 def varlen_kernel(query: torch.Tensor, cpu_kernel: bool = False) -> VarlenKernel | None:
     """The varlen kernel for ``query``'s device and dtype: flash-attn's when installed, else torch's (CUDA, fp16 or
-    bf16 only); on the CPU in bf16 the engine's own where ``cpu_kernel`` (:func:`cpu_prefill_kernel_chosen`);
+    bf16 only); on the CPU in bf16 or fp32 the engine's own where ``cpu_kernel`` (:func:`cpu_prefill_kernel_chosen`);
     else None."""
-    if query.device.type == "cpu" and query.dtype == torch.bfloat16 and cpu_kernel:
-        if "cpu" not in _VARLEN:
-            _VARLEN["cpu"] = _cpu_prefill_varlen()
-        return _VARLEN["cpu"]
+    if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float32) and cpu_kernel:
+        key = cpu_kernel_key(query.dtype)
+        if key not in _VARLEN:
+            _VARLEN[key] = _cpu_prefill_varlen()
+        return _VARLEN[key]
     if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
         return None
     key = f"{query.device.type}:{query.dtype}"
@@ -279,25 +280,32 @@ def _cpu_prefill_varlen() -> VarlenKernel:
     return VarlenKernel("pdserve.prefill_attention", run, strided=True)
 
 
-def cpu_prefill_kernel_chosen(choice: str) -> bool:
-    """Whether whole prompts attend by ``torch.ops.pdserve.prefill_attention`` for ``EngineConfig.prefill_attention``
-    ``choice``, on a CPU whose engine kernels loaded: ``kernel`` where the build has it (AVX512-BF16), ``auto``
-    there too unless the CPU has AMX (torch's flash attention runs on AMX tiles there, ~500 GFLOP/s on a 2-core
-    Xeon; this kernel is not measured against it), ``sdpa`` never. On a 2-core Zen 4 VM, 2,048 tokens of 16
-    heads of 64 over 8 KV heads: 29 ms a layer against SDPA's 71 (docs/benchmarks.md)."""
-    if choice == "sdpa":
+def cpu_prefill_kernel_chosen(choice: str, dtype: torch.dtype) -> bool:
+    """Whether prefill groups attend by the engine's kernels (``torch.ops.pdserve.prefill_attention``,
+    ``paged_prefill_attention``) for ``EngineConfig.prefill_attention`` ``choice``, on a CPU whose engine kernels
+    loaded, in ``dtype``: ``kernel`` where the build has them (bf16: AVX512-BF16; fp32: AVX-512), ``auto`` there
+    too except bf16 on CPUs with AMX (torch's flash attention runs on AMX tiles there, ~500 GFLOP/s on a 2-core
+    Xeon; the kernel is not measured against it), ``sdpa`` never. On a 2-core Zen 4 VM, 2,048 tokens of 16 heads
+    of 64 over 8 KV heads in bf16: 29 ms a layer against SDPA's 71 (docs/benchmarks.md)."""
+    if choice == "sdpa" or dtype not in (torch.bfloat16, torch.float32):
         return False
-    if not torch.ops.pdserve.prefill_attention_supported():
+    if not torch.ops.pdserve.prefill_attention_supported(dtype):
         if choice == "kernel":
-            log.warning("prefill_attention=kernel: this build has no AVX512-BF16 kernel; prompts attend by SDPA")
+            log.warning("prefill_attention=kernel: this build has no %s kernel; prompts attend by SDPA", dtype)
         return False
-    return choice == "kernel" or "amx_bf16" not in cpu_kernels.cpu_flags()
+    return choice == "kernel" or dtype != torch.bfloat16 or "amx_bf16" not in cpu_kernels.cpu_flags()
 
 
 def cpu_prefill_dropped() -> bool:
     """Whether a CPU prefill kernel (whole prompts, or chunks continuing their sequences) failed its check in this
     process (those prompts attend by SDPA)."""
-    return any(k in _VARLEN and _VARLEN[k] is None for k in ("cpu", "cpu-paged"))
+    return any(k.startswith("cpu") and v is None for k, v in _VARLEN.items())
+
+
+def cpu_kernel_key(dtype: torch.dtype, paged: bool = False) -> str:
+    """Where :data:`_VARLEN` keeps the CPU prefill kernel of ``dtype`` (whole prompts, or ``paged``: chunks reading
+    the cache), each with its own first-call checks."""
+    return f"cpu{'-paged' if paged else ''}:{dtype}"
 
 
 def _verify_varlen(kernel: VarlenKernel, mode: str, got: torch.Tensor, group, query, key, value, scaling,
@@ -451,7 +459,8 @@ def _paged_prefill(group, meta, layer, q_tok, out, scaling, sliding_window) -> b
     from the paged cache, no gather, no padding, no mask tensor); False when that kernel was dropped. Its first call
     of each kind (causal, sliding window) is checked against the gathered path, as a varlen kernel's first call is,
     and the kernel dropped for good on a difference or an exception (the gathered result is then the output)."""
-    kernel = _VARLEN.setdefault("cpu-paged", VarlenKernel("pdserve.paged_prefill_attention", None))
+    kernel = _VARLEN.setdefault(cpu_kernel_key(q_tok.dtype, paged=True),
+                                VarlenKernel("pdserve.paged_prefill_attention", None))
     if kernel is None:
         return False
     mode = "window" if sliding_window is not None and group.num_keys > sliding_window else "causal"

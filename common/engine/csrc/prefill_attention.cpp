@@ -1,23 +1,24 @@
-// Causal attention of whole prompts over their own keys (a prefill step's fresh prompts), bf16, for CPUs with
-// AVX512-BF16: flash attention with vdpbf16ps products.
+// Causal attention of a prefill step's sequences on the CPU: flash attention in bf16 (vdpbf16ps products, CPUs with
+// AVX512-BF16) or fp32 (FMAs, CPUs with AVX-512), for whole prompts over their own keys (prefill_attention) and for
+// chunks continuing their sequences over keys read from the paged cache (paged_prefill_attention).
 //
-// torch's CPU flash attention runs at ~127 GFLOP/s on a 2-core Zen 4 VM whose bf16 matmul reaches ~435 (2,048
-// tokens, 16 heads of 64 over 8 KV heads: 67 ms a layer, a third of a 0.35B model's prefill). Here:
+// torch's CPU flash attention runs at ~120 GFLOP/s in bf16 on a 2-core Zen 4 VM whose bf16 matmul reaches ~435
+// (2,048 tokens, 16 heads of 64 over 8 KV heads: 71 ms a layer, a third of a 0.35B model's prefill), and a
+// continuing chunk's keys were gathered, padded and masked. Here:
 //
-// - Each (prompt, KV head) is packed once, for every query head of its group: K as [key block][dim pair][64
-//   keys] of bf16 pairs (a score vector is 16 keys, summed over the head's dim pairs by vdpbf16ps with the
-//   query's pair broadcast), V as [key block][key pair][dim] of bf16 pairs (an output vector is 16 dims, summed
-//   over pairs of keys with the two probabilities broadcast). Keys past the prompt are zeros.
-// - Work items are (prompt, query head, block of 64 query rows), the costliest (last rows: most keys) first,
-//   claimed by the threads as they come (parallel.h). An item walks its key blocks once: per group of 4 rows,
-//   the 4 x 64 scores in 16 registers, the online softmax in float (exp2 with the scale folded in, running sums
-//   kept as vectors), the probabilities rounded to bf16 (as torch's does for its matmul) and summed into the
-//   rows' float outputs straight away, while they are in L1. Masks only where a key block crosses the diagonal
-//   (or a sliding window's edge).
+// - Each (sequence, KV head) is packed once, for every query head of its group, in 32-bit units (a bf16 pair or
+//   a float): K as [key block][unit of the head dim][64 keys] (a score vector is 16 keys, summed over the head's
+//   units with the query's unit broadcast), V as [key block][unit of keys][dim] (an output vector is 16 dims,
+//   summed over the keys with their probabilities broadcast). Keys past the sequence are zeros.
+// - Work items are (sequence, query head, block of 64 query rows), the costliest (most keys) first, claimed by
+//   the threads as they come (parallel.h). An item walks its key blocks once: per group of 4 rows, the 4 x 64
+//   scores in 16 registers, the online softmax in float (exp2 with the scale folded in, running sums kept as
+//   vectors), the probabilities (in bf16: rounded to bf16, as torch's flash attention does for its matmul)
+//   summed into the rows' float outputs straight away, while they are in L1. Masks only where a key block
+//   crosses the diagonal (or a sliding window's edge).
 //
-// q, k, v: [tokens, heads, head_dim] views with unit stride in head_dim (the step's fused q|k|v product, read in
-// place); out: [tokens, query heads, head_dim]; bounds: [n + 1] int32, prompt i's tokens [bounds[i],
-// bounds[i+1]).
+// q: [tokens, query heads, head_dim] with unit stride in head_dim (the step's fused q|k|v product, read in place);
+// out: the same shape.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,9 +31,10 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -43,25 +45,34 @@ constexpr int64_t BQ = 64;   // query rows a work item
 constexpr int RS = 4;        // rows a register block
 constexpr int64_t MAX_DIM = 256;
 
-bool prefill_attention_supported() {
+bool prefill_attention_supported(c10::ScalarType dtype) {
 #if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
+  if (dtype == at::kBFloat16) return true;
 #endif
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) return true;
+#endif
+  return false;
 }
 
-#if defined(__AVX512BF16__)
+// A sequence of a call: queries at rows [t0, t0 + n) of q and out, at positions [pos0, pos0 + n); keys [0, pos0 + n).
+struct Seq {
+  int64_t t0, pos0, n;
+};
+
+#if defined(__AVX512F__)
 
 constexpr float NEG = -1e30f;  // a finite "minus infinity": a row with no key yet never computes inf - inf
 
-// 2^x for x <= 0 (degree-5 Taylor of 2^r on |r| <= 1/2: relative error ~2e-6, far below bf16's rounding of the
-// probabilities; scalef takes n down to 0 without overflow tricks).
+// 2^x for x <= 0: Taylor of 2^r on |r| <= 1/2, degree 5 for bf16 (relative error ~2e-6, far below the rounding of
+// the probabilities), 6 for fp32 (~1.2e-7); scalef takes n down to 0 without overflow tricks.
+template <bool FINE>
 inline __m512 exp2_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+  if constexpr (FINE) p = _mm512_fmadd_ps(_mm512_set1_ps(1.5403530393e-4f), r, p);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));
@@ -70,17 +81,36 @@ inline __m512 exp2_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+// Elements per 32-bit unit of the packed layouts: a bf16 pair, or a float.
+template <typename T>
+constexpr int64_t PER = std::is_same_v<T, float> ? 1 : 2;
 
-inline uint32_t pair_at(const c10::BFloat16* row, int64_t p) {
-  uint32_t u;
-  std::memcpy(&u, row + 2 * p, sizeof u);
-  return u;
+template <typename T>
+inline uint32_t unit_at(const T* row, int64_t u) {
+  uint32_t x;
+  std::memcpy(&x, row + PER<T> * u, sizeof x);
+  return x;
 }
 
+// acc += a . b over one 32-bit unit per lane: vdpbf16ps (two bf16 products a lane) or an FMA
+template <typename T>
+inline __m512 unit_fma(__m512 acc, __m512i a, __m512i b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+  } else {
+#if defined(__AVX512BF16__)
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+    static_assert(std::is_same_v<T, float>, "bf16 needs AVX512-BF16");
+    return acc;
+#endif
+  }
+}
+
+template <typename T>
 struct Layout {
-  const c10::BFloat16* q;
-  c10::BFloat16* out;
+  const T* q;
+  T* out;
   int64_t q_s0, q_s1, o_s0, o_s1;
   int64_t q_heads, kv_heads, dim;
   float scale_log2;  // scale * log2(e)
@@ -88,86 +118,90 @@ struct Layout {
 };
 
 // The keys [0, len) of one (sequence, KV head), whose K and V rows key_row(j) and value_row(j) give, into kp
-// ([blocks][dim / 2][BK] pairs) and vp ([blocks][BK / 2][dim] pairs), zero past len.
-template <typename KeyRow, typename ValueRow>
+// ([blocks][dim / PER][BK] units) and vp ([blocks][BK / PER][dim] units), zero past len.
+template <typename T, typename KeyRow, typename ValueRow>
 void pack_kv(int64_t len, int64_t dim, const KeyRow& key_row, const ValueRow& value_row, uint32_t* kp, uint32_t* vp) {
-  const int64_t blocks = (len + BK - 1) / BK, half = dim / 2;
-  std::memset(kp, 0, sizeof(uint32_t) * blocks * half * BK);
-  std::memset(vp, 0, sizeof(uint32_t) * blocks * (BK / 2) * dim);
+  constexpr int64_t per = PER<T>;
+  const int64_t blocks = (len + BK - 1) / BK, units = dim / per;
+  std::memset(kp, 0, sizeof(uint32_t) * blocks * units * BK);
+  std::memset(vp, 0, sizeof(uint32_t) * blocks * (BK / per) * dim);
   for (int64_t j = 0; j < len; ++j) {
-    const c10::BFloat16* krow = key_row(j);
-    uint32_t* dst = kp + (j / BK) * half * BK + j % BK;
-    for (int64_t p = 0; p < half; ++p) dst[p * BK] = pair_at(krow, p);
+    const T* krow = key_row(j);
+    uint32_t* dst = kp + (j / BK) * units * BK + j % BK;
+    for (int64_t u = 0; u < units; ++u) dst[u * BK] = unit_at(krow, u);
   }
   for (int64_t j = 0; j < len; ++j) {
-    const uint16_t* vrow = reinterpret_cast<const uint16_t*>(value_row(j));
-    uint16_t* dst = reinterpret_cast<uint16_t*>(vp + (j / BK) * (BK / 2) * dim + (j % BK) / 2 * dim) + (j & 1);
-    for (int64_t d = 0; d < dim; ++d) dst[2 * d] = vrow[d];
+    const T* vrow = value_row(j);
+    T* dst = reinterpret_cast<T*>(vp + (j / BK) * (BK / per) * dim + (j % BK) / per * dim) + (j % per);
+    for (int64_t d = 0; d < dim; ++d) dst[per * d] = vrow[d];
   }
 }
 
 // Scores of R rows (q rows given) against the 64 keys of one packed block: s[r][c] covers keys 16c..16c+15.
-template <int R>
-inline void score_block(__m512 (&s)[RS][4], const c10::BFloat16* const* qrows, const uint32_t* kb, int64_t half) {
+template <typename T, int R>
+inline void score_block(__m512 (&s)[RS][4], const T* const* qrows, const uint32_t* kb, int64_t units) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < half; ++p) {  // each key vector loaded once for the R rows (loaded per row, 20% slower)
-    const uint32_t* kpp = kb + p * BK;
-    __m512i qp[RS];
-    for (int r = 0; r < R; ++r) qp[r] = _mm512_set1_epi32(static_cast<int>(pair_at(qrows[r], p)));
+  for (int64_t u = 0; u < units; ++u) {  // each key vector loaded once for the R rows (loaded per row, 20% slower)
+    const uint32_t* kpu = kb + u * BK;
+    __m512i qu[RS];
+    for (int r = 0; r < R; ++r) qu[r] = _mm512_set1_epi32(static_cast<int>(unit_at(qrows[r], u)));
     for (int c = 0; c < 4; ++c) {
-      const __m512i kc = _mm512_loadu_si512(kpp + 16 * c);
-      for (int r = 0; r < R; ++r) s[r][c] = _mm512_dpbf16_ps(s[r][c], as_bh(qp[r]), as_bh(kc));
+      const __m512i kc = _mm512_loadu_si512(kpu + 16 * c);
+      for (int r = 0; r < R; ++r) s[r][c] = unit_fma<T>(s[r][c], qu[r], kc);
     }
   }
 }
 
-// o[r][16 (c0 + c)..] = o * alpha[r] + sum over the block's key pairs of P[r][pair] . V[pair], NC vectors of dims.
-template <int R, int NC>
+// o[r][16 (c0 + c)..] = o * alpha[r] + sum over the block's keys of P[r][key] V[key], NC vectors of dims; prob:
+// [R][BK / PER] units of the rows' probabilities.
+template <typename T, int R, int NC>
 inline void weigh_block(float* o, int64_t dim, const float* alpha, const uint32_t* prob, const uint32_t* vb,
                         int64_t c0) {
+  constexpr int64_t units = BK / PER<T>;
   __m512 acc[R][NC];
   for (int r = 0; r < R; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dim + 16 * (c0 + c)), a);
   }
-  for (int64_t jp = 0; jp < BK / 2; ++jp) {
-    __m512i pp[R];
-    for (int r = 0; r < R; ++r) pp[r] = _mm512_set1_epi32(static_cast<int>(prob[r * (BK / 2) + jp]));
+  for (int64_t ju = 0; ju < units; ++ju) {
+    __m512i pu[R];
+    for (int r = 0; r < R; ++r) pu[r] = _mm512_set1_epi32(static_cast<int>(prob[r * units + ju]));
     for (int c = 0; c < NC; ++c) {
-      const __m512i vc = _mm512_loadu_si512(vb + jp * dim + 16 * (c0 + c));
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(pp[r]), as_bh(vc));
+      const __m512i vc = _mm512_loadu_si512(vb + ju * dim + 16 * (c0 + c));
+      for (int r = 0; r < R; ++r) acc[r][c] = unit_fma<T>(acc[r][c], pu[r], vc);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + r * dim + 16 * (c0 + c), acc[r][c]);
 }
 
-template <int R>
+template <typename T, int R>
 inline void weigh_rows(float* o, int64_t dim, const float* alpha, const uint32_t* prob, const uint32_t* vb) {
   const int64_t nv = dim / 16;
   int64_t c0 = 0;
-  for (; c0 + 4 <= nv; c0 += 4) weigh_block<R, 4>(o, dim, alpha, prob, vb, c0);
+  for (; c0 + 4 <= nv; c0 += 4) weigh_block<T, R, 4>(o, dim, alpha, prob, vb, c0);
   switch (nv - c0) {
-    case 3: weigh_block<R, 3>(o, dim, alpha, prob, vb, c0); break;
-    case 2: weigh_block<R, 2>(o, dim, alpha, prob, vb, c0); break;
-    case 1: weigh_block<R, 1>(o, dim, alpha, prob, vb, c0); break;
+    case 3: weigh_block<T, R, 3>(o, dim, alpha, prob, vb, c0); break;
+    case 2: weigh_block<T, R, 2>(o, dim, alpha, prob, vb, c0); break;
+    case 1: weigh_block<T, R, 1>(o, dim, alpha, prob, vb, c0); break;
     default: break;
   }
 }
 
 // Rows [r0, r0 + R) of one item (query rows t0 + r0.., at positions pos0 + r0..) over key block kb: scores,
 // online softmax (m, l), probabilities, outputs.
-template <int R>
-void rows_over_block(const Layout& L, int64_t t0, int64_t pos0, int64_t h, int64_t r0, int64_t kb, bool masked,
+template <typename T, int R>
+void rows_over_block(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_t r0, int64_t kb, bool masked,
                      const uint32_t* kp, const uint32_t* vp, float* o, float* m, __m512* l) {
-  const int64_t half = L.dim / 2;
-  const c10::BFloat16* qrows[RS];
+  constexpr bool fp32 = std::is_same_v<T, float>;
+  const int64_t units = L.dim / PER<T>;
+  const T* qrows[RS];
   for (int r = 0; r < R; ++r) qrows[r] = L.q + (t0 + r0 + r) * L.q_s0 + h * L.q_s1;
   __m512 s[RS][4];
-  score_block<R>(s, qrows, kp + kb * half * BK, half);
+  score_block<T, R>(s, qrows, kp + kb * units * BK, units);
   const __m512 scale = _mm512_set1_ps(L.scale_log2);
-  alignas(64) uint32_t prob[RS * BK / 2];
+  alignas(64) uint32_t prob[RS * BK];
   alignas(64) float diff[16] = {}, alpha[16];
   float m_new[RS];
   __mmask16 valid[RS][4];
@@ -189,33 +223,46 @@ void rows_over_block(const Layout& L, int64_t t0, int64_t pos0, int64_t h, int64
     diff[r] = m[r] - m_new[r];
     m[r] = m_new[r];
   }
-  _mm512_store_ps(alpha, exp2_nonpositive(_mm512_load_ps(diff)));  // the R rows' rescalings in one exp
+  _mm512_store_ps(alpha, exp2_nonpositive<fp32>(_mm512_load_ps(diff)));  // the R rows' rescalings in one exp
   for (int r = 0; r < R; ++r) {
     const __m512 mv = _mm512_set1_ps(m_new[r]);
     __m512 p[4];
-    for (int c = 0; c < 4; ++c) p[c] = _mm512_maskz_mov_ps(valid[r][c], exp2_nonpositive(_mm512_sub_ps(s[r][c], mv)));
+    for (int c = 0; c < 4; ++c)
+      p[c] = _mm512_maskz_mov_ps(valid[r][c], exp2_nonpositive<fp32>(_mm512_sub_ps(s[r][c], mv)));
     l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha[r]),
                            _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])));
-    _mm512_storeu_si512(prob + r * (BK / 2), (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
-    _mm512_storeu_si512(prob + r * (BK / 2) + 16, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+    if constexpr (fp32) {
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(reinterpret_cast<float*>(prob + r * BK) + 16 * c, p[c]);
+    } else {
+#if defined(__AVX512BF16__)
+      _mm512_storeu_si512(prob + r * (BK / 2), (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+      _mm512_storeu_si512(prob + r * (BK / 2) + 16, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+#endif
+    }
   }
-  weigh_rows<R>(o, L.dim, alpha, prob, vp + kb * (BK / 2) * L.dim);
+  weigh_rows<T, R>(o, L.dim, alpha, prob, vp + kb * (BK / PER<T>) * L.dim);
 }
 
-template <int R>
-void finish_rows(const Layout& L, int64_t t0, int64_t h, int64_t r0, const float* o, const __m512* l) {
+template <typename T, int R>
+void finish_rows(const Layout<T>& L, int64_t t0, int64_t h, int64_t r0, const float* o, const __m512* l) {
   for (int r = 0; r < R; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
-    c10::BFloat16* dst = L.out + (t0 + r0 + r) * L.o_s0 + h * L.o_s1;
+    T* dst = L.out + (t0 + r0 + r) * L.o_s0 + h * L.o_s1;
     for (int64_t d = 0; d < L.dim; d += 16) {
-      const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * L.dim + d), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)y);
+      const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(o + r * L.dim + d), inv);
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_storeu_ps(dst + d, y);
+      } else {
+#if defined(__AVX512BF16__)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(y));
+#endif
+      }
     }
   }
 }
 
-template <int R>
-void group_rows(const Layout& L, int64_t t0, int64_t pos0, int64_t h, int64_t r0, const uint32_t* kp,
+template <typename T, int R>
+void group_rows(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_t r0, const uint32_t* kp,
                 const uint32_t* vp, float* o) {
   float m[RS];
   __m512 l[RS];
@@ -226,43 +273,40 @@ void group_rows(const Layout& L, int64_t t0, int64_t pos0, int64_t h, int64_t r0
   for (int64_t kb = first_key / BK; kb <= last / BK; ++kb) {
     const int64_t k0 = kb * BK, k1 = k0 + BK - 1;
     const bool masked = k1 > first || (L.window > 0 && k0 <= last - L.window);
-    rows_over_block<R>(L, t0, pos0, h, r0, kb, masked, kp, vp, o, m, l);
+    rows_over_block<T, R>(L, t0, pos0, h, r0, kb, masked, kp, vp, o, m, l);
   }
-  finish_rows<R>(L, t0, h, r0, o, l);
+  finish_rows<T, R>(L, t0, h, r0, o, l);
 }
 
 // One item: query head h of a sequence whose queries are rows t0.. at positions pos0.., rows [i0, i1) of them.
-void attend_item(const Layout& L, int64_t t0, int64_t pos0, int64_t h, int64_t i0, int64_t i1, const uint32_t* kp,
-                 const uint32_t* vp) {
+template <typename T>
+void attend_item(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_t i0, int64_t i1,
+                 const uint32_t* kp, const uint32_t* vp) {
   alignas(64) float o[RS * MAX_DIM];
   int64_t r0 = i0;
-  for (; r0 + RS <= i1; r0 += RS) group_rows<RS>(L, t0, pos0, h, r0, kp, vp, o);
+  for (; r0 + RS <= i1; r0 += RS) group_rows<T, RS>(L, t0, pos0, h, r0, kp, vp, o);
   switch (i1 - r0) {
-    case 3: group_rows<3>(L, t0, pos0, h, r0, kp, vp, o); break;
-    case 2: group_rows<2>(L, t0, pos0, h, r0, kp, vp, o); break;
-    case 1: group_rows<1>(L, t0, pos0, h, r0, kp, vp, o); break;
+    case 3: group_rows<T, 3>(L, t0, pos0, h, r0, kp, vp, o); break;
+    case 2: group_rows<T, 2>(L, t0, pos0, h, r0, kp, vp, o); break;
+    case 1: group_rows<T, 1>(L, t0, pos0, h, r0, kp, vp, o); break;
     default: break;
   }
 }
 
-// A sequence of a call: queries at rows [t0, t0 + n) of q and out, at positions [pos0, pos0 + n); keys [0, pos0 + n).
-struct Seq {
-  int64_t t0, pos0, n;
-};
-
 // Every sequence's attention: each (sequence, KV head) packed by pack(i, g, kp, vp), then items (sequence, query
 // head, block of BQ rows), the most keys first, claimed by the threads as they come.
-template <typename Pack>
-void attend(const Layout& L, const std::vector<Seq>& seqs, const Pack& pack) {
+template <typename T, typename Pack>
+void attend(const Layout<T>& L, const std::vector<Seq>& seqs, const Pack& pack) {
   const int64_t n = static_cast<int64_t>(seqs.size()), group = L.q_heads / L.kv_heads, dim = L.dim;
-  std::vector<int64_t> pack_at(n + 1, 0), blocks(n);  // packed K|V of sequence i: offsets in uint32s
+  const int64_t key_units = dim / PER<T>;  // 32-bit units a key takes, in K and in V each
+  std::vector<int64_t> pack_at(n + 1, 0), blocks(n);  // packed K|V of sequence i: offsets in units
   for (int64_t i = 0; i < n; ++i) {
     blocks[i] = (seqs[i].pos0 + seqs[i].n + BK - 1) / BK;
-    pack_at[i + 1] = pack_at[i] + L.kv_heads * blocks[i] * BK * dim / 2;  // dim / 2 pairs a key
+    pack_at[i + 1] = pack_at[i] + L.kv_heads * blocks[i] * BK * key_units;
   }
   std::vector<uint32_t> packed(static_cast<size_t>(2 * pack_at[n]));
-  auto k_of = [&](int64_t i, int64_t g) { return packed.data() + 2 * pack_at[i] + g * blocks[i] * BK * dim; };
-  auto v_of = [&](int64_t i, int64_t g) { return k_of(i, g) + blocks[i] * BK * dim / 2; };
+  auto k_of = [&](int64_t i, int64_t g) { return packed.data() + 2 * pack_at[i] + 2 * g * blocks[i] * BK * key_units; };
+  auto v_of = [&](int64_t i, int64_t g) { return k_of(i, g) + blocks[i] * BK * key_units; };
   pdserve::parallel_claim(n * L.kv_heads, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t i = w / L.kv_heads, g = w % L.kv_heads;
@@ -285,20 +329,66 @@ void attend(const Layout& L, const std::vector<Seq>& seqs, const Pack& pack) {
       const Item& it = items[w];
       const Seq& sq = seqs[it.seq];
       const int64_t g = it.head / group;
-      attend_item(L, sq.t0, sq.pos0, it.head, it.row, std::min<int64_t>(it.row + BQ, sq.n), k_of(it.seq, g),
-                  v_of(it.seq, g));
+      attend_item<T>(L, sq.t0, sq.pos0, it.head, it.row, std::min<int64_t>(it.row + BQ, sq.n), k_of(it.seq, g),
+                     v_of(it.seq, g));
     }
   });
 }
 
-#endif  // __AVX512BF16__
+template <typename T>
+Layout<T> layout_of(at::Tensor& out, const at::Tensor& q, int64_t kv_heads, double scale, int64_t window) {
+  return Layout<T>{q.data_ptr<T>(), out.data_ptr<T>(), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                   q.size(1), kv_heads, q.size(2), static_cast<float>(scale * 1.4426950408889634),
+                   window > 0 ? window : 0};
+}
 
+template <typename T>
+void whole_prompts(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const std::vector<Seq>& seqs, double scale, int64_t window) {
+  const Layout<T> L = layout_of<T>(out, q, k.size(1), scale, window);
+  const T *kd = k.data_ptr<T>(), *vd = v.data_ptr<T>();
+  const int64_t k_s0 = k.stride(0), k_s1 = k.stride(1), v_s0 = v.stride(0), v_s1 = v.stride(1);
+  attend<T>(L, seqs, [&](int64_t i, int64_t g, uint32_t* kp, uint32_t* vp) {
+    const int64_t t0 = seqs[i].t0;
+    pack_kv<T>(seqs[i].n, L.dim, [&](int64_t j) { return kd + (t0 + j) * k_s0 + g * k_s1; },
+               [&](int64_t j) { return vd + (t0 + j) * v_s0 + g * v_s1; }, kp, vp);
+  });
+}
+
+template <typename T>
+void from_cache(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, int64_t layer, const int64_t* table,
+                int64_t width, const std::vector<Seq>& seqs, double scale, int64_t window) {
+  const Layout<T> L = layout_of<T>(out, q, cache.size(2), scale, window);
+  const T* base = cache.data_ptr<T>() + layer * cache.stride(0);
+  const int64_t kv_s = cache.stride(1), head_s = cache.stride(2), block_s = cache.stride(3), slot_s = cache.stride(4);
+  const int64_t block_size = cache.size(4);
+  attend<T>(L, seqs, [&](int64_t b, int64_t g, uint32_t* kp, uint32_t* vp) {
+    const int64_t* blocks = table + b * width;
+    auto row = [&](int64_t kv, int64_t j) {
+      return base + kv * kv_s + g * head_s + blocks[j / block_size] * block_s + (j % block_size) * slot_s;
+    };
+    pack_kv<T>(seqs[b].pos0 + seqs[b].n, L.dim, [&](int64_t j) { return row(0, j); },
+               [&](int64_t j) { return row(1, j); }, kp, vp);
+  });
+}
+
+#endif  // __AVX512F__
+
+void check_dtype(c10::ScalarType dtype, const char* op) {
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, op, ": bfloat16 or float32 tensors, got ", dtype);
+  TORCH_CHECK(prefill_attention_supported(dtype), op, " in ", dtype,
+              " needs a build for a CPU with AVX-512 (and AVX512-BF16 for bfloat16): see prefill_attention_supported");
+}
+
+// Whole prompts: prompt i's queries and keys are rows [bounds[i], bounds[i + 1]) of q and of k, v ([tokens, kv
+// heads, head_dim] views, unit stride in head_dim), its positions from 0.
 void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& bounds, double scale, int64_t window) {
-#if defined(__AVX512BF16__)
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out: [tokens, heads, dim]");
+  const auto dtype = q.scalar_type();
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &out})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(2) == 1, "q, k, v, out: bfloat16, unit dim stride");
+    TORCH_CHECK(t->scalar_type() == dtype && t->stride(2) == 1, "q, k, v, out: one dtype, unit dim stride");
+  check_dtype(dtype, "prefill_attention");
   const int64_t tokens = q.size(0), dim = q.size(2);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == tokens && k.size(2) == dim, "k, v: [tokens, kv heads, dim]");
   TORCH_CHECK(out.sizes() == q.sizes(), "out: the shape of q");
@@ -310,21 +400,13 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const int64_t n = bounds.numel() - 1;
   TORCH_CHECK(b[0] >= 0 && b[n] <= tokens, "bounds outside the tokens");
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(b[i] <= b[i + 1], "bounds must not decrease");
-
-  Layout L{q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1), out.stride(0),
-           out.stride(1), q.size(1), k.size(1), dim, static_cast<float>(scale * 1.4426950408889634),
-           window > 0 ? window : 0};
   std::vector<Seq> seqs;
   for (int64_t i = 0; i < n; ++i) seqs.push_back({b[i], 0, b[i + 1] - b[i]});
-  const c10::BFloat16 *kd = k.data_ptr<c10::BFloat16>(), *vd = v.data_ptr<c10::BFloat16>();
-  const int64_t k_s0 = k.stride(0), k_s1 = k.stride(1), v_s0 = v.stride(0), v_s1 = v.stride(1);
-  attend(L, seqs, [&](int64_t i, int64_t g, uint32_t* kp, uint32_t* vp) {
-    const int64_t t0 = seqs[i].t0;
-    pack_kv(seqs[i].n, dim, [&](int64_t j) { return kd + (t0 + j) * k_s0 + g * k_s1; },
-            [&](int64_t j) { return vd + (t0 + j) * v_s0 + g * v_s1; }, kp, vp);
-  });
-#else
-  TORCH_CHECK(false, "prefill_attention needs a build for a CPU with AVX512-BF16 (see prefill_attention_supported)");
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) whole_prompts<float>(out, q, k, v, seqs, scale, window);
+#endif
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) whole_prompts<c10::BFloat16>(out, q, k, v, seqs, scale, window);
 #endif
 }
 
@@ -335,10 +417,11 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 // head_dim].
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, int64_t layer,
                              const at::Tensor& block_table, const at::Tensor& spans, double scale, int64_t window) {
-#if defined(__AVX512BF16__)
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.sizes() == q.sizes(), "q, out: [tokens, heads, dim]");
+  const auto dtype = q.scalar_type();
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &out, &cache})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1, "q, out, cache: bfloat16, unit dim stride");
+    TORCH_CHECK(t->scalar_type() == dtype && t->stride(-1) == 1, "q, out, cache: one dtype, unit dim stride");
+  check_dtype(dtype, "paged_prefill_attention");
   TORCH_CHECK(cache.dim() == 6 && cache.size(1) == 2 && cache.size(5) == q.size(2), "cache: [L, 2, H, NB, bs, D]");
   TORCH_CHECK(layer >= 0 && layer < cache.size(0), "layer out of range: ", layer);
   const int64_t tokens = q.size(0), dim = q.size(2), kv_heads = cache.size(2), num_blocks = cache.size(3);
@@ -363,28 +446,18 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
                   " out of range");
     seqs.push_back(sq);
   }
-  Layout L{q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1), out.stride(0),
-           out.stride(1), q.size(1), kv_heads, dim, static_cast<float>(scale * 1.4426950408889634),
-           window > 0 ? window : 0};
-  const c10::BFloat16* base = cache.data_ptr<c10::BFloat16>() + layer * cache.stride(0);
-  const int64_t kv_s = cache.stride(1), head_s = cache.stride(2), block_s = cache.stride(3), slot_s = cache.stride(4);
-  attend(L, seqs, [&](int64_t b, int64_t g, uint32_t* kp, uint32_t* vp) {
-    const int64_t* blocks = table + b * width;
-    auto row = [&](int64_t kv, int64_t j) {
-      return base + kv * kv_s + g * head_s + blocks[j / block_size] * block_s + (j % block_size) * slot_s;
-    };
-    pack_kv(seqs[b].pos0 + seqs[b].n, dim, [&](int64_t j) { return row(0, j); }, [&](int64_t j) { return row(1, j); },
-            kp, vp);
-  });
-#else
-  TORCH_CHECK(false, "paged_prefill_attention needs a build for a CPU with AVX512-BF16");
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) from_cache<float>(out, q, cache, layer, table, width, seqs, scale, window);
+#endif
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) from_cache<c10::BFloat16>(out, q, cache, layer, table, width, seqs, scale, window);
 #endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
-  m.def("prefill_attention_supported() -> bool");
+  m.def("prefill_attention_supported(ScalarType dtype) -> bool");
   m.impl("prefill_attention_supported", c10::DispatchKey::CatchAll, TORCH_FN(prefill_attention_supported));
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor bounds, float scale, int window) -> "

@@ -35,15 +35,15 @@ def path_counts(monkeypatch):
         counts["kernel"] += 1
         return kernel(*args, **kwargs)
 
-    sdpa = attention.F.scaled_dot_product_attention
+    fresh = attention._fresh_attention
 
-    def counted_sdpa(*args, **kwargs):
-        counts["fresh_prompt"] += bool(kwargs.get("is_causal"))
-        return sdpa(*args, **kwargs)
+    def counted_fresh(*args, **kwargs):  # whole prompts by per-prompt SDPA or the CPU prefill kernel
+        counts["fresh_prompt"] += 1
+        return fresh(*args, **kwargs)
 
     monkeypatch.setattr(attention, "_in_place_attention", counted)
     monkeypatch.setattr(attention, "_kernel_attention", counted_kernel)
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted_sdpa)
+    monkeypatch.setattr(attention, "_fresh_attention", counted_fresh)
     return counts
 
 
@@ -84,8 +84,9 @@ def test_fused_layers_one_stream_at_a_time(arch, kernel, tiny_model_dir, hf_refe
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
 def test_sliding_window_on_the_fast_paths(kernel, tiny_model_dir, hf_reference, path_counts):
-    """Window 24: a 20-token prompt takes the causal path, a 50-token one the masked one; decoding past the
-    window reads only its last 24 keys in place."""
+    """Window 24: a 20-token prompt takes the causal path, a 50-token one the masked one (or, on the engine's CPU
+    prefill kernel, the causal path too: the kernel applies the window); decoding past the window reads only its
+    last 24 keys in place."""
     path = decode_path(kernel)
     d = tiny_model_dir("mistral", sliding_window=24)
     engine = make_engine(d, cpu_kernels=kernel)
@@ -93,8 +94,9 @@ def test_sliding_window_on_the_fast_paths(kernel, tiny_model_dir, hf_reference, 
     layers = engine.kv_spec.num_layers
     prompts = make_prompts(engine.vocab_size, lens=[20, 50], seed=6)
     results = []
+    windowed = layers if engine.runner.prefill_kernel else 0
     # with the kernels the first prompt's step runs twice (the flat forward's one check against the model's own)
-    for prompt, fresh in zip(prompts, ((1 + kernel) * layers, 0)):
+    for prompt, fresh in zip(prompts, ((1 + kernel) * layers, windowed)):
         before = path_counts["fresh_prompt"]
         results.append(engine.generate([prompt], SamplingParams(max_new_tokens=30, **GREEDY))[0])
         assert path_counts["fresh_prompt"] - before == fresh
