@@ -46,9 +46,10 @@ class EngineConfig:
     # what the packed weights' layouts are chosen for: "decode" (steps of a few rows: the engine's own kernels) or
     # "prefill" (batches of prompt tokens: oneDNN's GEMM layout for bf16 on AMX CPUs; see cpu_linear)
     weight_layout: str = "decode"
-    # how whole prompts attend on the CPU in bf16: "kernel" (the engine's flash attention for AVX512-BF16 CPUs,
-    # common/engine/csrc/prefill_attention.cpp), "sdpa" (torch's), "auto" (the kernel where the CPU has
-    # AVX512-BF16 and no AMX: torch's own runs on AMX there and was not measured against it)
+    # how prefill steps attend on the CPU: "kernel" (the engine's flash attention, common/engine/csrc/
+    # prefill_attention.cpp: bf16 on AVX512-BF16 CPUs, fp32 on AVX-512), "sdpa" (torch's SDPA; chunks continuing
+    # their sequences gathered and masked), "auto" (the kernel where built, except bf16 on AMX CPUs: torch's runs
+    # on AMX tiles there and was not measured against it)
     prefill_attention: str = "auto"
 
     def __post_init__(self) -> None:

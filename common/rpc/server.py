@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -57,6 +58,27 @@ class HealthState:
 
     def shutdown(self) -> None:
         self.servicer.enter_graceful_shutdown()
+
+
+def hold_port(host: str, port: int) -> socket.socket | None:
+    """A socket bound to ``host:port`` (not listening, no SO_REUSEADDR), so that no socket of this process or host
+    namespace is given that port as an ephemeral one until it closes; None for port 0 or where it cannot bind
+    (:func:`build_server` then says why). A worker holds its gRPC port while it starts NIXL, whose UCX listeners
+    take ephemeral ports, 32768-60999 on Linux, which hold 50051: a decode worker once failed to start with
+    'Address already in use' in a namespace of its own. Close it right before :func:`build_server`."""
+    if not port:
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+        held = socket.socket(family, kind, proto)
+    except OSError:
+        return None
+    try:
+        held.bind(address)
+    except OSError:
+        held.close()
+        return None
+    return held
 
 
 def build_server(

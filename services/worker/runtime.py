@@ -41,7 +41,7 @@ from common.http.server import HttpFront
 from common.metrics.gpu import GpuMonitor
 from common.metrics.worker import WorkerMetrics
 from common.obs import Tracing
-from common.rpc.server import AsyncioServer, build_server, stop_on_signals
+from common.rpc.server import AsyncioServer, build_server, hold_port, stop_on_signals
 from common.rpc.tls import TlsFiles
 from common.security.auth import Authenticator
 from common.security.kv_crypto import KVCipher
@@ -197,7 +197,12 @@ def serve_worker(
         release_team()  # the engine steps on the loop's thread now: this one's OpenMP team (loading) would only
         # make libgomp put the step's idle threads to sleep (see common.engine.omp_teams)
         tracing = Tracing(f"pdserve-{role}", config.otlp_endpoint)
-        parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
+        held = hold_port(config.host, config.port)  # NIXL's UCX listeners must not get the port as an ephemeral one
+        try:
+            parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
+        finally:
+            if held is not None:
+                held.close()
         # a thread for every request the worker may hold (a Prefill call or a PushKv stream holds one until its
         # KV is sent): with fewer, calls past the pool waited unseen and the batch could not fill
         server, port, health = build_server(parts.add_to_server, parts.service_names, host=config.host,
