@@ -12,8 +12,8 @@ to the registered attention function unchanged. For every layer that function
 Sequences are grouped by shape: the *decode group* holds the sequences with one new token (packed first,
 in order, so its output needs no scatter); the *prefill group* the rest (prompt chunks, recomputes),
 padded to the longest chunk, unless every one is a whole prompt from position 0 (:func:`_fresh_attention`:
-each prompt on its own K/V, by a varlen kernel on CUDA, the engine's flash attention on bf16 CPUs with
-AVX512-BF16, or one causal SDPA per prompt). Grouped-query heads
+each prompt on its own K/V, by a varlen kernel on CUDA, the engine's flash attention on AVX-512 CPUs, or one
+causal SDPA per prompt). Grouped-query heads
 are handled without repeating K/V: the query heads that share a KV head are folded into the query-length
 axis.
 """
@@ -56,7 +56,7 @@ class AttentionGroup:
     (the usual work of a prefill worker): it counts them, and each attends causally to its own K/V in the step,
     no gather, no padding, no mask (:func:`_fresh_attention`). The prompts are the packed tokens from
     ``token_start`` on, their bounds relative to it in ``fresh_bounds`` [n + 1] (int32); ``num_keys`` is the
-    longest. ``cpu_prefill_kernel``: on the CPU in bf16 they may attend by the engine's kernel
+    longest. ``cpu_prefill_kernel``: on the CPU (bf16, fp32) they may attend by the engine's kernel
     (``torch.ops.pdserve.prefill_attention``; the engine checked that it runs here and was chosen). Any other
     prefill group then carries ``kernel_table`` and ``kernel_spans`` (``num_keys``: its most keys) for
     ``torch.ops.pdserve.paged_prefill_attention``, which reads its keys from the cache.
@@ -73,7 +73,7 @@ class AttentionGroup:
     fresh_prompt: int = 0  # n whole prompts: packed tokens token_start + [fresh_bounds[i], fresh_bounds[i + 1])
     fresh_bounds: torch.Tensor | None = None  # [n + 1] int32 on the CPU
     cpu_prefill_kernel: bool = False
-    # a prefill group of chunks continuing their sequences, on the CPU kernel in bf16: its block table [B, nb] and
+    # a prefill group of chunks continuing their sequences, on the CPU prefill kernel: its block table [B, nb] and
     # (packed index of the first new token, its position, new tokens) per sequence [B, 3], int64, contiguous
     kernel_table: torch.Tensor | None = None
     kernel_spans: torch.Tensor | None = None
@@ -318,12 +318,18 @@ def _verify_varlen(kernel: VarlenKernel, mode: str, got: torch.Tensor, group, qu
                               fresh_bounds=group.fresh_bounds, num_keys=group.num_keys)  # token_start 0
     _fresh_attention_sdpa(relative, query[:, :, start:], key[:, :, start:], value[:, :, start:], want, scaling,
                           sliding_window)  # fmt: skip
+    return _check_first(kernel, mode, got, want, "per-prompt SDPA")
+
+
+def _check_first(kernel: VarlenKernel, mode: str, got: torch.Tensor, want: torch.Tensor, against: str) -> bool:
+    """A kernel's first output of a kind against the path it replaces: ``mode`` verified when within the dtype's
+    rounding (1e-2 relative to the largest output, at least 1e-2), else the kernel dropped for good."""
     diff = float((got.float() - want.float()).abs().max())
     tolerance = 1e-2 * max(1.0, float(want.float().abs().max()))
     if diff <= tolerance:
         kernel.verified.add(mode)
         return True
-    _drop_varlen(kernel, f"max |difference| {diff:.3g} from per-prompt SDPA > {tolerance:.3g} ({mode})")
+    _drop_varlen(kernel, f"max |difference| {diff:.3g} from {against} > {tolerance:.3g} ({mode})")
     return False
 
 
@@ -459,8 +465,10 @@ def _paged_prefill(group, meta, layer, q_tok, out, scaling, sliding_window) -> b
     from the paged cache, no gather, no padding, no mask tensor); False when that kernel was dropped. Its first call
     of each kind (causal, sliding window) is checked against the gathered path, as a varlen kernel's first call is,
     and the kernel dropped for good on a difference or an exception (the gathered result is then the output)."""
-    kernel = _VARLEN.setdefault(cpu_kernel_key(q_tok.dtype, paged=True),
-                                VarlenKernel("pdserve.paged_prefill_attention", None))
+    key = cpu_kernel_key(q_tok.dtype, paged=True)
+    if key not in _VARLEN:  # its state only (checks, failure): the op is called below
+        _VARLEN[key] = VarlenKernel("pdserve.paged_prefill_attention", None)
+    kernel = _VARLEN[key]
     if kernel is None:
         return False
     mode = "window" if sliding_window is not None and group.num_keys > sliding_window else "causal"
@@ -481,12 +489,7 @@ def _paged_prefill(group, meta, layer, q_tok, out, scaling, sliding_window) -> b
         _drop_varlen(kernel, f"raised {exc!r}")
         return False
     _gathered_attention(group, meta, layer, q_tok, want, scaling, sliding_window)
-    diff = float((out.float() - want.float()).abs().max())
-    tolerance = 1e-2 * max(1.0, float(want.float().abs().max()))
-    if diff <= tolerance:
-        kernel.verified.add(mode)
-    else:
-        _drop_varlen(kernel, f"max |difference| {diff:.3g} from the gathered path > {tolerance:.3g} ({mode})")
+    if not _check_first(kernel, mode, out, want, "the gathered path"):
         out.copy_(want)
     return True
 

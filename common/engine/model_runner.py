@@ -47,8 +47,8 @@ class ModelRunner:
     ) -> None:
         """``decode_kernel``: decode groups carry their block table and lengths for
         ``torch.ops.pdserve.paged_decode_attention`` (the caller checked that the kernel loaded).
-        ``prefill_kernel``: groups of whole prompts may attend by ``torch.ops.pdserve.prefill_attention`` (bf16; the
-        caller checked that it is supported here).
+        ``prefill_kernel``: prefill groups attend by ``torch.ops.pdserve.prefill_attention`` (whole prompts) or
+        ``paged_prefill_attention`` (chunks continuing their sequences; the caller checked that they run here).
         ``flat_forward``: run the model through :class:`~common.engine.flat_forward.FlatForward` where it fits."""
         self.model = model
         self.kv_cache = kv_cache

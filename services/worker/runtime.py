@@ -228,7 +228,7 @@ def serve_worker(
             return {"role": role, "id": worker_id, "redis": redis_state,
                     "kv_block_placement": engine.block_pool.placement,
                     "weight_layout": engine.config.weight_layout,
-                    "prefill_attention": ("kernel" if getattr(engine.runner, "prefill_kernel", False)
+                    "prefill_attention": ("kernel" if engine.runner.prefill_kernel
                                           and not attention.cpu_prefill_dropped() else "sdpa"),
                     "num_requests_running": stats.num_requests_running,
                     "num_requests_waiting": stats.num_requests_waiting, **(parts.details() if parts.details else {}),
