@@ -317,3 +317,31 @@ def test_fp32_engine_gives_stock_generates_tokens(arch, overrides, budget, tiny_
     kinds = {k: v for k, v in attention._VARLEN.items() if k.startswith("cpu")}
     assert kinds and all(v is not None and v.verified and not v.failed for v in kinds.values()), kinds
     assert (attention.cpu_kernel_key(torch.float32, paged=True) in kinds) == (budget < 230)
+
+
+@pytest.mark.parametrize("how", ["differs", "raises"])
+def test_a_paged_kernel_that_differs_or_raises_is_dropped(how, tiny_model_dir, hf_reference, monkeypatch, caplog):
+    """The continuing chunks' first check: a kernel whose output differs from the gathered path (or that raises) is
+    dropped for good, that step's output is the gathered path's, and the chunks after it go gathered: stock tokens."""
+    import logging
+
+    needs(torch.float32)
+    monkeypatch.setattr(attention, "_VARLEN", {})
+    calls = []
+
+    def bad(out, *args):
+        calls.append(1)
+        if how == "raises":
+            raise RuntimeError("bad kernel")
+        out.zero_()
+
+    monkeypatch.setattr(torch.ops.pdserve, "paged_prefill_attention", bad)
+    d = tiny_model_dir("llama")
+    engine = LLMEngine(load_model(d), EngineConfig(max_num_batched_tokens=48, prefix_caching=False))
+    prompt = make_prompts(engine.vocab_size, lens=[150], seed=7)[0]
+    with caplog.at_level(logging.WARNING, logger="common.engine.attention"):
+        result = engine.generate([prompt], SamplingParams(max_new_tokens=10, **GREEDY))[0]
+    assert result.token_ids == hf_greedy(hf_reference(d), prompt, 10)
+    assert attention._VARLEN[attention.cpu_kernel_key(torch.float32, paged=True)] is None
+    assert calls == [1] and "pdserve.paged_prefill_attention dropped" in caplog.text
+    assert attention.cpu_prefill_dropped()
