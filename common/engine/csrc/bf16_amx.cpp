@@ -35,6 +35,10 @@ namespace {
 
 constexpr int64_t kWidenRows = 512;
 constexpr int kGroup = 3;  // blocks a pass: three C tiles, one A tile, three B tiles (7 of the 8)
+// Each block's stream is prefetched this far ahead (two B tiles), on a group's first pass of rows. The hardware
+// prefetcher alone left the decode step's weights at 15-19 GB/s on the Intel AMX kind where a plain read runs
+// at 19-22; the tile loads then wait on DRAM one after another.
+constexpr int64_t kPrefetchAhead = 2048;
 
 // Linux hands out AMX state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
 bool amx_permitted() {
@@ -59,8 +63,9 @@ void configure(int rows) {
 
 // rows (<= 16) of x (bf16, x_stride elements apart) against `count` (1-3) blocks starting at wb (each
 // kp_count pair rows of 64 bytes); the rows x 16 float sums of block j to acc + 256 * j (rows 16 apart).
+// `prefetch`: the blocks are not in cache yet (the group's first 16 rows).
 void tile_pass(const c10::BFloat16* x, int64_t x_stride, const uint8_t* wb, int64_t kp_count, int count,
-               float* acc) {
+               float* acc, bool prefetch) {
   const int64_t block_bytes = kp_count * 64;
   _tile_zero(0);
   _tile_zero(1);
@@ -68,6 +73,10 @@ void tile_pass(const c10::BFloat16* x, int64_t x_stride, const uint8_t* wb, int6
   for (int64_t kp = 0; kp < kp_count; kp += 16) {
     _tile_loadd(3, x + 2 * kp, x_stride * 2);
     const uint8_t* w = wb + kp * 64;
+    if (prefetch)
+      for (int j = 0; j < count; ++j)
+        for (int64_t off = 0; off < 1024; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + j * block_bytes + kPrefetchAhead + off), _MM_HINT_T0);
     _tile_loadd(4, w, 64);
     _tile_dpbf16ps(0, 3, 4);
     if (count > 1) {
@@ -140,7 +149,10 @@ at::Tensor bf16_linear_amx(const at::Tensor& x, const at::Tensor& packed, const 
   }
   const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr());
   const int64_t groups = (used + kGroup - 1) / kGroup;
-  pdserve::parallel_claim(groups, pdserve::claim_chunk(groups, m * k * 16 * kGroup), [&](int64_t g0, int64_t g1) {
+  // at least two groups a claim where there are 16 claims or more: a thread's stream then runs on across six
+  // blocks (at 16 rows, with the prefetch, claims of one group streamed 0.94-0.95x as fast as claims of two)
+  const int64_t chunk = std::max(pdserve::claim_chunk(groups, m * k * 16 * kGroup), std::min<int64_t>(2, groups / 8));
+  pdserve::parallel_claim(groups, chunk, [&](int64_t g0, int64_t g1) {
     alignas(64) float acc[kGroup * 256];
     int configured = 0;
     for (int64_t g = g0; g < g1; ++g) {
@@ -149,7 +161,7 @@ at::Tensor bf16_linear_amx(const at::Tensor& x, const at::Tensor& packed, const 
       for (int64_t r0 = 0; r0 < m; r0 += 16) {
         const int rows = static_cast<int>(std::min<int64_t>(16, m - r0));
         if (rows != configured) configure(rows), configured = rows;
-        tile_pass(xp + r0 * k, k, w + b * kp_count * 64, kp_count, count, acc);
+        tile_pass(xp + r0 * k, k, w + b * kp_count * 64, kp_count, count, acc, r0 == 0);
         for (int j = 0; j < count; ++j) pdserve::store_block(acc + 256 * j, rows, bp, op + r0 * n, n, 16 * (b + j));
       }
     }
