@@ -280,20 +280,23 @@ def _cpu_prefill_varlen() -> VarlenKernel:
     return VarlenKernel("pdserve.prefill_attention", run, strided=True)
 
 
-def cpu_prefill_kernel_chosen(choice: str, dtype: torch.dtype) -> bool:
+def cpu_prefill_kernel_chosen(choice: str, dtype: torch.dtype, head_dim: int | None = None) -> bool:
     """Whether prefill groups attend by the engine's kernels (``torch.ops.pdserve.prefill_attention``,
     ``paged_prefill_attention``) for ``EngineConfig.prefill_attention`` ``choice``, on a CPU whose engine kernels
     loaded, in ``dtype``: ``kernel`` where the build has them (bf16: AVX512-BF16; fp32: AVX-512), ``auto`` there
-    too except bf16 on CPUs with AMX (torch's flash attention runs on AMX tiles there, ~500 GFLOP/s on a 2-core
-    Xeon; the kernel is not measured against it), ``sdpa`` never. On a 2-core Zen 4 VM, 2,048 tokens of 16 heads
-    of 64 over 8 KV heads in bf16: 29 ms a layer against SDPA's 71 (docs/benchmarks.md)."""
+    too except bf16 on CPUs with AMX where the kernel has no AMX path for ``head_dim``
+    (``prefill_attention_amx``: head dims 32 and 64; torch's flash attention runs on AMX tiles there and beat the
+    vdpbf16ps kernel), ``sdpa`` never. 2,048 tokens of 16 heads of 64 over 8 KV heads in bf16: on a 2-core Zen 4
+    VM 29 ms a layer against SDPA's 71, on a 2-core Xeon with AMX ~12 against ~24 (docs/benchmarks.md)."""
     if choice == "sdpa" or dtype not in (torch.bfloat16, torch.float32):
         return False
     if not torch.ops.pdserve.prefill_attention_supported(dtype):
         if choice == "kernel":
             log.warning("prefill_attention=kernel: this build has no %s kernel; prompts attend by SDPA", dtype)
         return False
-    return choice == "kernel" or dtype != torch.bfloat16 or "amx_bf16" not in cpu_kernels.cpu_flags()
+    if choice == "kernel" or dtype != torch.bfloat16 or "amx_bf16" not in cpu_kernels.cpu_flags():
+        return True
+    return head_dim is not None and torch.ops.pdserve.prefill_attention_amx(head_dim)
 
 
 def cpu_prefill_dropped() -> bool:

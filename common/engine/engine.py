@@ -123,7 +123,8 @@ class LLMEngine(KVHandoffMixin):
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels,
                                   flat_forward=config.flat_forward,
                                   prefill_kernel=kernels
-                                  and attention.cpu_prefill_kernel_chosen(config.prefill_attention, loaded.dtype))
+                                  and attention.cpu_prefill_kernel_chosen(config.prefill_attention, loaded.dtype,
+                                                                           self.kv_spec.head_dim))
         if graphs:
             max_blocks = -(-self.max_model_len // config.block_size)
             self.runner.use_graphs(max_batch=config.max_num_seqs, max_blocks=max_blocks, scratch_block=num_blocks)

@@ -75,9 +75,10 @@ class WorkerConfig:
     prefill_attention: str = field(
         default="auto",
         metadata={"help": "how prefill steps attend on the CPU: kernel (the engine's flash attention, bf16 on "
-                          "AVX512-BF16 CPUs, fp32 on AVX-512: on a Zen 4 VM a 2,048-token bf16 prefill 1.3x faster, "
-                          "a 4,000-token prompt in chunks 1.5x), sdpa (torch's), or auto (the kernel where built, "
-                          "except bf16 on AMX CPUs)",
+                          "AVX512-BF16 CPUs, on AMX tiles where the CPU has them, fp32 on AVX-512: on a Zen 4 VM a "
+                          "2,048-token bf16 prefill 1.3x faster, a 4,000-token prompt in chunks 1.5x), sdpa "
+                          "(torch's), or auto (the kernel where built, except bf16 on AMX CPUs for head dims other "
+                          "than 32 and 64)",
                   "choices": ["auto", "kernel", "sdpa"]},
     )
     kv_host_cache_blocks: int = field(
