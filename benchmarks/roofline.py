@@ -1,6 +1,7 @@
 """How close the engine runs to this machine's roofline, measured in one run.
 
-1. The machine: matmul FLOP/s in fp32 and bf16 (square matmuls, best of several) and memory bandwidth
+1. The machine: matmul FLOP/s in fp32 and bf16 (square matmuls, best of several; for bf16 also oneDNN's linear
+   over a packed weight, whichever is faster) and memory bandwidth
    (a large tensor copy; read + write bytes over time).
 2. Prefill: one prompt of --prompt-len tokens through the engine (``max_new_tokens`` 1), as a fraction of
    the FLOP roofline of the model's dtype (for bf16 on a CPU without bf16 arithmetic: the fp32 rate). FLOPs
@@ -60,12 +61,26 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best_of(lambda: torch.mm(a, b, out=out), repeats)
 
 
+def packed_linear_flops(rows: int = 2048, k: int = 1024, n: int = 4096, repeats: int = 5) -> float:
+    """bf16 FLOP/s of oneDNN's linear over a weight packed for it (``mkldnn._reorder_linear_weight``), as the
+    engine's prefill-sized matmuls run; 0 where this torch has no such op."""
+    try:
+        x, w = torch.randn(rows, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        return 2 * rows * k * n / best_of(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], ""), repeats)
+    except (RuntimeError, AttributeError):
+        return 0.0
+
+
 def bf16_matmul_flops() -> float:
     """bf16 FLOP/s at 2048^3 where the CPU computes bf16 natively (AVX512-BF16, AMX: hundreds of GFLOP/s, and a
-    1024^3 product with two repeats under-reads it by half); a CPU without (~1 GFLOP/s: torch's scalar
-    fallback, where 2048^3 would take minutes) is measured at 1024^3."""
+    1024^3 product with two repeats under-reads it by half), or of oneDNN's linear over a packed weight where
+    that is faster (on a 2-core Xeon whose AMX ran ``torch.mm`` at 800-1,000 GFLOP/s, the engine's prefill went
+    past that: the plain layouts under-read the machine); a CPU without (~1 GFLOP/s: torch's scalar fallback,
+    where 2048^3 would take minutes) is measured at 1024^3."""
     if matmul_flops(torch.bfloat16, n=256, repeats=1) > 20e9:
-        return matmul_flops(torch.bfloat16)
+        return max(matmul_flops(torch.bfloat16), packed_linear_flops())
     return matmul_flops(torch.bfloat16, n=1024, repeats=2)
 
 
