@@ -285,9 +285,10 @@ def cpu_prefill_kernel_chosen(choice: str, dtype: torch.dtype, head_dim: int | N
     ``paged_prefill_attention``) for ``EngineConfig.prefill_attention`` ``choice``, on a CPU whose engine kernels
     loaded, in ``dtype``: ``kernel`` where the build has them (bf16: AVX512-BF16; fp32: AVX-512), ``auto`` there
     too except bf16 on CPUs with AMX where the kernel has no AMX path for ``head_dim``
-    (``prefill_attention_amx``: head dims 32 and 64; torch's flash attention runs on AMX tiles there and beat the
-    vdpbf16ps kernel), ``sdpa`` never. 2,048 tokens of 16 heads of 64 over 8 KV heads in bf16: on a 2-core Zen 4
-    VM 29 ms a layer against SDPA's 71, on a 2-core Xeon with AMX ~12 against ~24 (docs/benchmarks.md)."""
+    (``prefill_attention_amx``: head dims 32, 64, 96, 128; torch's flash attention runs on AMX tiles there and
+    beat the vdpbf16ps kernel), ``sdpa`` never. 2,048 tokens of 16 heads of 64 over 8 KV heads in bf16: on a 2-core
+    Zen 4 VM 29 ms a layer against SDPA's 71, on a 2-core Xeon with AMX ~12 against ~23, heads of 128 ~23 against
+    ~30 (docs/benchmarks.md)."""
     if choice == "sdpa" or dtype not in (torch.bfloat16, torch.float32):
         return False
     if not torch.ops.pdserve.prefill_attention_supported(dtype):

@@ -1,5 +1,5 @@
 // Causal attention of a prefill step's sequences on the CPU: flash attention in bf16 (vdpbf16ps products, CPUs with
-// AVX512-BF16; AMX tiles on CPUs with AMX-BF16, head dims 32 and 64: see "bf16 on CPUs with AMX" below) or fp32
+// AVX512-BF16; AMX tiles on CPUs with AMX-BF16, head dims 32 to 128: see "bf16 on CPUs with AMX" below) or fp32
 // (FMAs, CPUs with AVX-512), for whole prompts over their own keys (prefill_attention) and for
 // chunks continuing their sequences over keys read from the paged cache (paged_prefill_attention).
 //
@@ -313,13 +313,15 @@ void attend_item(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_
 //   are rescaled rarely, not every chunk;
 // - P^T (pairs of keys x 16 queries, bf16: rounded as torch's flash attention rounds its probabilities) is AMX's
 //   B layout as it comes out of two conversions and a permute, and O^T (16 dims x 16 queries, float) += V^T (16
-//   dims x 32 keys) . P^T stays in four tiles for the whole row group (head dims up to 64).
+//   dims x 32 keys) . P^T stays in four tiles for the whole row group (head dims 32 and 64); head dims 96 and 128
+//   keep O^T's dims past 64 in L1 and add to them through the two score tiles, which are free by then.
 // Packed per (sequence, KV head): K as [keys][dim] bf16, V^T chunk by chunk, keys padded with zeros to whole KCs.
-// 2,048 tokens, 16 heads of 64 over 8 KV heads, 2-core Xeon (Emerald Rapids): 12.4 ms a layer against torch's
-// 23.6 (alternating, medians); with V^T as one [dim][keys] matrix (its tile rows 4 KiB apart) 27 ms.
+// 2,048 tokens, 16 heads of 64 over 8 KV heads, 2-core Xeon (Emerald Rapids): 12.1-12.4 ms a layer against
+// torch's 23.2-23.6 (alternating, medians); with V^T as one [dim][keys] matrix (its tile rows 4 KiB apart) 27 ms.
+// Heads of 128: 23.3 against 29.6 (the vdpbf16ps kernel 115.9).
 
 constexpr int64_t KC = BK;      // keys a chunk (the packing's blocks)
-constexpr int64_t AMX_DIM = 64;  // head dims up to this (a multiple of 32): O^T in tiles 0-3
+constexpr int64_t AMX_DIM = 128;  // head dims up to this (a multiple of 32): O^T's first 64 in tiles 0-3
 constexpr float RESCALE = 8.f;   // log2 of the growth allowed before the outputs are rescaled
 
 bool amx_permitted() {  // Linux hands out AMX state only to processes that ask (ARCH_REQ_XCOMP_PERM, XTILEDATA)
@@ -385,7 +387,7 @@ inline __m512 exp2_amx(__m512 x) { return exp2_nonpositive<false>(x); }
 // pack_kv_amx.
 void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t h, int64_t i0, int64_t i1,
               const uint32_t* kp, const uint32_t* vp) {
-  const int64_t dim = L.dim, d32 = dim / 32, d16 = dim / 16;
+  const int64_t dim = L.dim, d32 = dim / 32, d16 = dim / 16, high = std::max<int64_t>(0, dim - 64);
   const auto* k = reinterpret_cast<const c10::BFloat16*>(kp);
   const auto* vt = reinterpret_cast<const c10::BFloat16*>(vp);
   alignas(64) uint32_t qt[AMX_DIM / 32][16][16];  // Q^T: [32 dims][16 dim pairs][16 queries]
@@ -411,7 +413,8 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
     const int64_t first_key = L.window > 0 ? std::max<int64_t>(0, first - L.window + 1) : 0;
     __m512 m = _mm512_set1_ps(NEG), l = _mm512_setzero_ps();
     bool empty = true;  // O^T is still zero
-    _tile_zero(0);  // O^T: tiles 0 .. d16 - 1 (d16 is 2 or 4)
+    std::memset(obuf[64], 0, sizeof(float) * 16 * high);  // O^T's dims past 64
+    _tile_zero(0);  // O^T's first dims: tiles 0 .. min(d16, 4) - 1
     _tile_zero(1);
     if (d16 > 2) {
       _tile_zero(2);
@@ -489,6 +492,20 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
           _tile_loadd(6, v + 48 * KC, KC * 2);
           _tile_dpbf16ps(3, 6, 7);
         }
+      }
+      for (int64_t d = 64; d < dim; d += 32) {  // dims past 64, two tiles at a time through tiles 4 and 5
+        _tile_loadd(4, obuf[d], 64);
+        _tile_loadd(5, obuf[d + 16], 64);
+        for (int64_t half = 0; half < (keys + 31) / 32; ++half) {
+          const c10::BFloat16* v = vt + k0 * dim + 32 * half + d * KC;
+          _tile_loadd(7, pt[half], 64);
+          _tile_loadd(6, v, KC * 2);
+          _tile_dpbf16ps(4, 6, 7);
+          _tile_loadd(6, v + 16 * KC, KC * 2);
+          _tile_dpbf16ps(5, 6, 7);
+        }
+        _tile_stored(4, obuf[d], 64);
+        _tile_stored(5, obuf[d + 16], 64);
       }
       empty = false;
     }
@@ -615,7 +632,7 @@ void from_cache(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, i
 
 #endif  // __AVX512F__
 
-// Whether bf16 prefill attention runs on AMX tiles for this head dim (CPUs with AMX-BF16, head dims 32 and 64);
+// Whether bf16 prefill attention runs on AMX tiles for this head dim (CPUs with AMX-BF16, head dims 32, 64, 96, 128);
 // elsewhere bf16 takes the vdpbf16ps kernel.
 bool prefill_attention_amx(int64_t head_dim) {
 #ifdef PDSERVE_AMX_ATTENTION

@@ -202,12 +202,14 @@ def test_prefill_attention_chooses(tiny_model_dir, counted_kernel):
     needs(torch.float32)
     d = tiny_model_dir("llama")
     amx = "amx_bf16" in cpu_kernels.cpu_flags()
-    # AMX CPUs: bf16 on tiles for head dims 32 and 64 (auto takes the kernel there, SDPA for other head dims)
-    assert [torch.ops.pdserve.prefill_attention_amx(d) for d in (32, 48, 64, 128)] == [amx, False, amx, False]
-    assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 128) is not amx
-    assert attention.cpu_prefill_kernel_chosen("kernel", torch.bfloat16, 128)
+    # AMX CPUs: bf16 on tiles for head dims 32, 64, 96, 128 (auto takes the kernel there, SDPA for other head dims)
+    dims = (16, 32, 48, 64, 96, 128, 160, 256)
+    assert [torch.ops.pdserve.prefill_attention_amx(d) for d in dims] == [d in (32, 64, 96, 128) and amx for d in dims]
+    assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 160) is not amx
+    assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 128)
+    assert attention.cpu_prefill_kernel_chosen("kernel", torch.bfloat16, 160)
     head_dim = LLMEngine(load_model(d, dtype="float32")).kv_spec.head_dim
-    for choice, dtype, want in (("kernel", "bfloat16", True), ("auto", "bfloat16", not amx or head_dim in (32, 64)),
+    for choice, dtype, want in (("kernel", "bfloat16", True), ("auto", "bfloat16", not amx or head_dim % 32 == 0),
                                 ("sdpa", "bfloat16", False), ("kernel", "float32", True), ("auto", "float32", True),
                                 ("sdpa", "float32", False), ("kernel", "float16", False)):  # fmt: skip
         engine = LLMEngine(load_model(d, dtype=dtype), EngineConfig(prefill_attention=choice))
