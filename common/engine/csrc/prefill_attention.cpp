@@ -312,17 +312,17 @@ void attend_item(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_
 //   score passes it by more than 2^8 (the probabilities stay below 256, exact enough in float), so the outputs
 //   are rescaled rarely, not every chunk;
 // - P^T (pairs of keys x 16 queries, bf16: rounded as torch's flash attention rounds its probabilities) is AMX's
-//   B layout as it comes out of two conversions and a permute, and O^T (16 dims x 16 queries, float) += V^T (16
-//   dims x 32 keys) . P^T stays in four tiles for the whole row group (head dims 32 and 64); head dims 96 and 128
-//   keep O^T's dims past 64 in L1 and add to them through the two score tiles, which are free by then.
+//   B layout as it comes out of one two-vector conversion and a permute, and O^T (16 dims x 16 queries, float)
+//   += V^T (16 dims x 32 keys) . P^T stays in four tiles for the whole row group (head dims 32 and 64); head dims
+//   96 and 128 keep O^T's dims past 64 in L1 and add to them through the two score tiles, which are free by then.
 // Packed per (sequence, KV head): K as [keys][dim] bf16, V^T chunk by chunk, keys padded with zeros to whole KCs.
 // 2,048 tokens, 16 heads of 64 over 8 KV heads, 2-core Xeon (Emerald Rapids): 12.1-12.4 ms a layer against
 // torch's 23.2-23.6 (alternating, medians); with V^T as one [dim][keys] matrix (its tile rows 4 KiB apart) 27 ms.
 // Heads of 128: 23.3 against 29.6 (the vdpbf16ps kernel 115.9).
 
-constexpr int64_t KC = BK;      // keys a chunk (the packing's blocks)
+constexpr int64_t KC = BK;        // keys a chunk (the packing's blocks)
 constexpr int64_t AMX_DIM = 128;  // head dims up to this (a multiple of 32): O^T's first 64 in tiles 0-3
-constexpr float RESCALE = 8.f;   // log2 of the growth allowed before the outputs are rescaled
+constexpr float RESCALE = 8.f;    // log2 of the growth allowed before the outputs are rescaled
 
 bool amx_permitted() {  // Linux hands out AMX state only to processes that ask (ARCH_REQ_XCOMP_PERM, XTILEDATA)
   static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
@@ -399,6 +399,7 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
   const __m512i pairs = _mm512_load_si512(interleave);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 scale = _mm512_set1_ps(L.scale_log2);
+  const __m512i window = _mm512_set1_epi32(static_cast<int>(L.window));
   amx_configure();
   for (int64_t r0 = i0; r0 < i1; r0 += 16) {
     const int64_t rows = std::min<int64_t>(16, i1 - r0);
@@ -447,12 +448,13 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
           const __m512i kpos = _mm512_set1_epi32(static_cast<int>(k0 + j));
           valid[j] = _mm512_cmple_epi32_mask(kpos, qpos);
           if (L.window > 0)
-            valid[j] &= _mm512_cmpgt_epi32_mask(kpos, _mm512_sub_epi32(qpos, _mm512_set1_epi32(static_cast<int>(L.window))));
+            valid[j] &= _mm512_cmpgt_epi32_mask(kpos, _mm512_sub_epi32(qpos, window));
         }
         top = _mm512_mask_max_ps(top, valid[j], top, _mm512_load_ps(sbuf[j]));
       }
       // rows whose maximum grew past m + RESCALE take the new one; the others keep theirs
-      const __m512 seen = _mm512_mask_mul_ps(_mm512_set1_ps(NEG), _mm512_cmp_ps_mask(top, _mm512_set1_ps(NEG), _CMP_GT_OQ), top, scale);
+      const __m512 none = _mm512_set1_ps(NEG);
+      const __m512 seen = _mm512_mask_mul_ps(none, _mm512_cmp_ps_mask(top, none, _CMP_GT_OQ), top, scale);
       const __mmask16 grow = _mm512_cmp_ps_mask(seen, _mm512_add_ps(m, _mm512_set1_ps(RESCALE)), _CMP_GT_OQ);
       if (grow) {
         const __m512 m_new = _mm512_mask_mov_ps(m, grow, seen);
@@ -478,7 +480,8 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // [p0's 16 | p1's 16] as bf16
         _mm512_store_si512(pt[j / 32][(j % 32) / 2], _mm512_permutexvar_epi16(pairs, both));
       }
-      for (int64_t j = keys; j < KC && j % 32 != 0; j += 2) _mm512_store_si512(pt[j / 32][(j % 32) / 2], _mm512_setzero_si512());
+      for (int64_t j = keys; j < KC && j % 32 != 0; j += 2)  // the last P^T tile's rows past the keys
+        _mm512_store_si512(pt[j / 32][(j % 32) / 2], _mm512_setzero_si512());
       for (int64_t half = 0; half < (keys + 31) / 32; ++half) {
         _tile_loadd(7, pt[half], 64);
         const c10::BFloat16* v = vt + k0 * dim + 32 * half;  // the chunk's V^T: [dim][KC]
@@ -517,7 +520,8 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
       c10::BFloat16* dst = L.out + (t0 + r0 + i) * L.o_s0 + h * L.o_s1;
       const __m512 s = _mm512_set1_ps(inv[i]);
       for (int64_t d = 0; d < dim; d += 16) {
-        const __m512 y = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(static_cast<int>(i))), obuf[d], 4), s);
+        const __m512i at = _mm512_add_epi32(column, _mm512_set1_epi32(static_cast<int>(i)));
+        const __m512 y = _mm512_mul_ps(_mm512_i32gather_ps(at, obuf[d], 4), s);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(y));
       }
     }
@@ -573,7 +577,9 @@ void attend(const Layout<T>& L, const std::vector<Seq>& seqs, const Pack& pack, 
 // V (kv 1) in KV head g.
 template <typename T, typename Row>
 void attend_rows(const Layout<T>& L, const std::vector<Seq>& seqs, const Row& row) {
-  auto keys = [&](int64_t i, int64_t g, int64_t kv) { return [&row, i, g, kv](int64_t j) { return row(i, g, kv, j); }; };
+  auto keys = [&](int64_t i, int64_t g, int64_t kv) {
+    return [&row, i, g, kv](int64_t j) { return row(i, g, kv, j); };
+  };
 #ifdef PDSERVE_AMX_ATTENTION
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (amx_usable(L.dim)) {
