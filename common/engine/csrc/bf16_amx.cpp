@@ -19,13 +19,11 @@
 #include <cstring>
 
 #include "bf16.h"
+#include "amx.h"
 #include "linear.h"
 #include "parallel.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#ifdef PDSERVE_AMX
 #define PDSERVE_BF16_AMX 1
 #endif
 
@@ -40,17 +38,8 @@ constexpr int kGroup = 3;  // blocks a pass: three C tiles, one A tile, three B 
 // at 19-22; the tile loads then wait on DRAM one after another.
 constexpr int64_t kPrefetchAhead = 2048;
 
-// Linux hands out AMX state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using pdserve::amx_permitted;
+using pdserve::TileConfig;
 
 // Tiles 0-2: C (rows x 16 floats), 3: A (rows x 32 bf16), 4-6: B (16 pair rows x 16 features x 2).
 void configure(int rows) {

@@ -40,9 +40,9 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
+
+#if defined(PDSERVE_AMX) && defined(__AVX512BF16__)
 #define PDSERVE_AMX_ATTENTION 1
 #endif
 
@@ -324,22 +324,11 @@ constexpr int64_t KC = BK;        // keys a chunk (the packing's blocks)
 constexpr int64_t AMX_DIM = 128;  // head dims up to this (a multiple of 32): O^T's first 64 in tiles 0-3
 constexpr float RESCALE = 8.f;    // log2 of the growth allowed before the outputs are rescaled
 
-bool amx_permitted() {  // Linux hands out AMX state only to processes that ask (ARCH_REQ_XCOMP_PERM, XTILEDATA)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-bool amx_usable(int64_t dim) { return dim % 32 == 0 && dim <= AMX_DIM && amx_permitted(); }
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+bool amx_usable(int64_t dim) { return dim % 32 == 0 && dim <= AMX_DIM && pdserve::amx_permitted(); }
 
 // Tiles 0-3: O^T, 4-5: S^T, 6: an A operand (K or V^T), 7: a B operand (Q^T or P^T); all 16 rows of 64 bytes.
 void amx_configure() {
-  TileConfig cfg;
+  pdserve::TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
 }

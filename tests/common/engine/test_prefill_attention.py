@@ -106,8 +106,8 @@ def test_scores_that_keep_growing_along_the_keys(dim, window):
     needs(torch.bfloat16)
     q, k, v, bounds = packed_case([300, 130], 4, 2, dim, seed=dim + window)
     ramp = torch.arange(430, dtype=torch.float32).remainder(300)[:, None, None] / 300.0
-    q, k = q.float().abs() + 0.5, k.float().abs() * 0 + ramp * 4.0  # a query's scores rise with the key
-    q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    q = (q.float().abs() + 0.5).to(torch.bfloat16)  # a query's scores rise with the key
+    k = (ramp * 4.0).expand(k.shape).to(torch.bfloat16).contiguous()
     scale = dim**-0.5 * 8
     assert_close(run_kernel(q, k, v, bounds, scale, window), reference(q, k, v, bounds, scale, window), torch.bfloat16)
 
