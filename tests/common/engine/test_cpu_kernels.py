@@ -86,6 +86,28 @@ def test_kernel_over_engine_sized_blocks(q_dtype, cache_dtype, tol, block_size, 
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("q_dtype,cache_dtype,tol", [(torch.float32, torch.float32, 1e-5),
+                                                     (torch.bfloat16, torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("at", ["first", "last"])
+def test_kernel_finds_the_largest_score_wherever_it_is(q_dtype, cache_dtype, tol, at):
+    """Scores hundreds apart, the largest on a sequence's first or last key (lengths off every vector width): a
+    maximum that missed it would leave exp(score - maximum) to overflow into inf and NaN."""
+    lens = (1, 7, 15, 17, 31, 33, 47, 70)
+    q, cache, table, lens_t = random_case(q_dtype, cache_dtype, group=1, dim=64, block_size=16, lens=lens, seed=5)
+    bs, layer = cache.spec.block_size, 1
+    for b, n in enumerate(lens):
+        slot = 0 if at == "first" else n - 1
+        block = table[b, slot // bs]
+        # key = 4 q: with the query times 16 below, a score of 64 |q|^2 / 8 ~ 512 against others ~ N(0, 16^2)
+        cache.data[layer, 0, :, block, slot % bs] = (4 * q[b].float()).to(cache_dtype)
+    q16 = (16 * q.float()).to(q_dtype)
+    out = torch.full_like(q16, float("nan"))
+    torch.ops.pdserve.paged_decode_attention(out, q16, cache.data, layer, table, lens_t, 0.125, 0)
+    expected = reference(q16, cache, layer, table, lens_t, 0.125, 0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
 def test_kernel_reads_a_strided_query_and_the_right_layer():
     q, cache, table, lens = random_case(torch.float32, torch.float32)
     packed = q.transpose(0, 1).contiguous().transpose(0, 1)  # [B, Hq, D] with the token axis innermost-but-one
