@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace pdserve {
 
 inline float to_float(float x) { return x; }
@@ -37,5 +41,45 @@ inline c10::BFloat16 round_to<c10::BFloat16>(float x) {
   out.x = static_cast<uint16_t>(nan ? 0x7FC0u : rounded);
   return out;
 }
+
+#if defined(__AVX512F__)
+
+// 16 elements as floats
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {  // widened
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// v rounded to T's precision, still in float lanes: round_to<T> 16 lanes at a time, in integer arithmetic
+// (vcvtneps2bf16 would treat subnormal inputs and outputs as zero, round_to does not)
+template <typename T>
+inline __m512 round16(__m512 v);
+
+template <>
+inline __m512 round16<float>(__m512 v) {
+  return v;
+}
+
+template <>
+inline __m512 round16<c10::BFloat16>(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
+  const __m512i rounded = _mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000)));
+}
+
+// 16 floats stored as T, rounded as round_to<T>
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(round16<c10::BFloat16>(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
+}
+
+#endif  // __AVX512F__
 
 }  // namespace pdserve

@@ -122,12 +122,7 @@ inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {  // widened
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using pdserve::load16;
 
 // q . k[r]'s 16 partial sums
 template <int64_t DIM>

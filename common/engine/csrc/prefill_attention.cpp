@@ -324,7 +324,7 @@ constexpr int64_t KC = BK;        // keys a chunk (the packing's blocks)
 constexpr int64_t AMX_DIM = 128;  // head dims up to this (a multiple of 32): O^T's first 64 in tiles 0-3
 constexpr float RESCALE = 8.f;    // log2 of the growth allowed before the outputs are rescaled
 
-bool amx_usable(int64_t dim) { return dim % 32 == 0 && dim <= AMX_DIM && pdserve::amx_permitted(); }
+bool amx_usable(int64_t dim) { return dim > 0 && dim % 32 == 0 && dim <= AMX_DIM && pdserve::amx_permitted(); }
 
 // Tiles 0-3: O^T, 4-5: S^T, 6: an A operand (K or V^T), 7: a B operand (Q^T or P^T); all 16 rows of 64 bytes.
 void amx_configure() {

@@ -217,6 +217,36 @@ def test_rotary_matches_transformers_bit_for_bit(dtype, tokens, heads, dim):
         torch.ops.pdserve.rotary_(qkv.clone()[..., :-dim], cos, sin, num_q, num_kv, dim)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_rounds_special_values_as_transformers(dtype):
+    """Subnormal products (rounded, not flushed to zero), infinities, NaNs and exact ties of the rounding, in the
+    kernel's vector lanes (heads of 64: 32 pairs) as in its tail (heads of 40)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    tiny = torch.finfo(torch.float32).tiny  # bf16 has float32's exponents: its subnormals lie below this
+    for dim in (64, 40):
+        g = torch.Generator().manual_seed(dim)
+        qkv = torch.randn(1, 6, 4 * dim, generator=g).to(dtype)
+        qkv[0, 0] *= tiny  # subnormal products with any cos, sin below 1
+        qkv[0, 1, ::7] = float("inf")
+        qkv[0, 2, ::5] = float("nan")
+        qkv[0, 3] = 1 + 2.0 ** -7 * torch.arange(4 * dim).remainder(3)  # ties of bf16's rounding when times 1.5
+        qkv[0, 4] = torch.finfo(dtype).max  # products that overflow
+        angles = torch.rand(1, 6, dim // 2, generator=g) * 100
+        angles[0, 3] = torch.pi / 3
+        angles = torch.cat((angles, angles), -1)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        cos[0, 3], sin[0, 3] = 1.5, 0.75
+        q, k = (p.view(1, 6, -1, dim).transpose(1, 2) for p in qkv[..., : 3 * dim].split([2 * dim, dim], -1))
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+        got = qkv.clone()
+        torch.ops.pdserve.rotary_(got, cos, sin, 2, 1, dim)
+        got_q, got_k = (p.view(1, 6, -1, dim).transpose(1, 2) for p in got[..., : 3 * dim].split([2 * dim, dim], -1))
+        assert ((got_q.abs() < tiny) & (got_q != 0)).any()  # subnormal results
+        torch.testing.assert_close(got_q, want_q, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(got_k, want_k, rtol=0, atol=0, equal_nan=True)
+
+
 def test_rope_attention_only_where_the_kernel_rotates_as_the_model_does():
     """The swap's check: a model whose apply_rotary_pos_emb differs (here: no sin term) keeps its own module."""
     from types import SimpleNamespace

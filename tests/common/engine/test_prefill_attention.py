@@ -203,7 +203,7 @@ def test_prefill_attention_chooses(tiny_model_dir, counted_kernel):
     d = tiny_model_dir("llama")
     amx = "amx_bf16" in cpu_kernels.cpu_flags()
     # AMX CPUs: bf16 on tiles for head dims 32, 64, 96, 128 (auto takes the kernel there, SDPA for other head dims)
-    dims = (16, 32, 48, 64, 96, 128, 160, 256)
+    dims = (-32, 0, 16, 32, 48, 64, 96, 128, 160, 256)
     assert [torch.ops.pdserve.prefill_attention_amx(d) for d in dims] == [d in (32, 64, 96, 128) and amx for d in dims]
     assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 160) is not amx
     assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 128)
