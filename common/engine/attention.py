@@ -20,6 +20,7 @@ axis.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -134,7 +135,7 @@ def _in_place_attention(
     h_q = q_tok.shape[1]
     q = q_tok.view(1, h_kv, h_q // h_kv, d)  # the query heads of each KV head on the query axis
     out = F.scaled_dot_product_attention(q, k, v, scale=scaling)  # [1, Hkv, g, D]
-    return out.view(1, 1, h_q, d)
+    return out.reshape(1, 1, h_q, d)  # CUDA's memory-efficient kernel (fp32) returns it transposed: not a view
 
 
 def _kernel_attention(
@@ -239,15 +240,27 @@ def _flash_attn_varlen() -> VarlenKernel | None:
 
 
 def _torch_varlen() -> VarlenKernel | None:
+    """torch's varlen attention where it takes ``scale`` and ``window_size`` (torch 2.10 on; torch 2.9's took only
+    ``is_causal``); without ``enable_gqa`` (before 2.12) the KV heads are repeated for their query heads."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
+    params = inspect.signature(varlen_attn).parameters
+    if not {"scale", "window_size"} <= params.keys():
+        log.info("torch %s's varlen_attn takes no scale or window: whole prompts attend one by one", torch.__version__)
+        return None
+    gqa = "enable_gqa" in params
 
     def run(q, k, v, bounds, longest, scale, window):
+        group = q.shape[1] // k.shape[1]
+        extra = {}
+        if group > 1 and gqa:
+            extra["enable_gqa"] = True
+        elif group > 1:  # [tokens, heads, dim]: query head h reads KV head h // group
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return varlen_attn(q, k, v, bounds, bounds, longest, longest, scale=scale,
-                           window_size=(-1, 0) if window is None else (window - 1, 0),
-                           enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+                           window_size=(-1, 0) if window is None else (window - 1, 0), **extra)  # fmt: skip
 
     return VarlenKernel("torch.nn.attention.varlen.varlen_attn", run)
 

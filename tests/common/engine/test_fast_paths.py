@@ -82,6 +82,26 @@ def test_fused_layers_one_stream_at_a_time(arch, kernel, tiny_model_dir, hf_refe
         assert result.token_ids == hf_greedy(reference, prompt, 20)
 
 
+def test_in_place_decode_takes_attention_outputs_of_any_layout(tiny_model_dir, hf_reference, path_counts,
+                                                               monkeypatch):
+    """CUDA's memory-efficient SDPA kernel (fp32's) returns its output as [B, M, H, D] memory transposed to
+    [B, H, M, D]: the in-place decode path must merge the query heads of each KV head by reshape, as a view of that
+    layout fails. Here SDPA hands back every output in that layout."""
+    d = tiny_model_dir("llama")
+    engine = make_engine(d, cpu_kernels=False)
+    prompt = make_prompts(engine.vocab_size, lens=[9], seed=8)[0]
+    want = hf_greedy(hf_reference(d), prompt, 12)
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def transposed(*args, **kwargs):
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", transposed)
+    result = engine.generate([prompt], SamplingParams(max_new_tokens=12, **GREEDY))[0]
+    assert path_counts["in_place"] == 11 * engine.kv_spec.num_layers
+    assert result.token_ids == want
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
 def test_sliding_window_on_the_fast_paths(kernel, tiny_model_dir, hf_reference, path_counts):
     """Window 24: a 20-token prompt takes the causal path, a 50-token one the masked one (or, on the engine's CPU

@@ -118,6 +118,41 @@ def reference_varlen(calls: list):
     return run
 
 
+@pytest.mark.parametrize("version", ["2.12", "2.10", "2.9"])
+def test_torch_varlen_by_the_signature_it_has(version, monkeypatch):
+    """torch's varlen_attn took ``enable_gqa`` from 2.12, ``scale`` and ``window_size`` from 2.10 (2.9: only
+    ``is_causal``): the adapter repeats KV heads without the first and leaves a torch without the others to SDPA."""
+    import torch.nn.attention.varlen as varlen
+
+    calls: list = []
+    reference = reference_varlen(calls)
+
+    def v212(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+             enable_gqa=False):  # fmt: skip
+        assert enable_gqa == (key.shape[1] != query.shape[1]) and window_size[1] == 0
+        return reference(query, key, value, cu_seq_q, max_q, scale, window_size[0] + 1 or None)
+
+    def v210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert key.shape[1] == query.shape[1] and window_size[1] == 0
+        return reference(query, key, value, cu_seq_q, max_q, scale, window_size[0] + 1 or None)
+
+    def v29(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False):
+        raise AssertionError("not to be called")
+
+    monkeypatch.setattr(varlen, "varlen_attn", {"2.12": v212, "2.10": v210, "2.9": v29}[version])
+    kernel = attention._torch_varlen()
+    if version == "2.9":
+        assert kernel is None
+        return
+    g = torch.Generator().manual_seed(3)
+    bounds = torch.tensor([0, 5, 19, 20], dtype=torch.int32)
+    q, k, v = (torch.randn(20, h, 16, generator=g) for h in (4, 2, 2))
+    for window in (None, 3):
+        want = reference_varlen([])(q, k, v, bounds, 14, 0.3, window)
+        torch.testing.assert_close(kernel(q, k, v, bounds, 14, 0.3, window), want, rtol=0, atol=0)
+    assert len(calls) == 2
+
+
 def use_kernel(monkeypatch, kernel: VarlenKernel) -> None:
     monkeypatch.setattr(attention, "varlen_kernel", lambda query, cpu_kernel=False: None if kernel.failed else kernel)
 
