@@ -61,6 +61,7 @@ import torch  # noqa: E402
 from gpu_measure import SectionError  # noqa: E402
 
 SIZES = ("tiny", "60m", "350m", "1b")
+MIN_TRANSFORMERS = (5, 24)  # pyproject.toml's floor
 SIZE_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
                intermediate_size=5632)  # fmt: skip
 
@@ -243,6 +244,10 @@ class GpuCheck:
         else:
             where = f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads), no CUDA device"
         s.text = f"torch {torch.__version__}, transformers {transformers.__version__}, {where}"
+        major_minor = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+        if major_minor < MIN_TRANSFORMERS:  # the engine plugs into transformers 5's attention and loading
+            s.text += (f" (the engine needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, as "
+                       "pyproject.toml pins: the sections below may fail on this one)")
 
     def setup(self, s: Section) -> None:
         from common.engine.config import EngineConfig

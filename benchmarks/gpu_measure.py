@@ -48,17 +48,23 @@ class Timeline:
 
 def timed_run(ck, prompts: list[list[int]], max_new: int, engine=None) -> Timeline:
     """Submit every prompt at once (greedy, EOS ignored), step the engine (default: the check's) to the end, note
-    each token's time."""
+    each token's time. A step that raises aborts the run's requests first: the sections after it find the engine
+    empty."""
     engine = engine or ck.engine
     t0 = time.perf_counter()
     ids = [engine.add_request(p, ck.greedy(max_new)) for p in prompts]
     tl = Timeline(t0, {rid: [] for rid in ids})
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            tl.token_times[out.request_id].extend([now] * len(out.new_token_ids))
-        tl.steps.append((now, sum(len(out.new_token_ids) for out in outputs)))
+    try:
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                tl.token_times[out.request_id].extend([now] * len(out.new_token_ids))
+            tl.steps.append((now, sum(len(out.new_token_ids) for out in outputs)))
+    except BaseException:
+        for rid in ids:
+            engine.abort(rid)
+        raise
     tl.end = time.perf_counter()
     return tl
 
@@ -246,9 +252,8 @@ def cuda_graphs(ck, s) -> None:
 
 def kv_transfer(ck, s) -> None:
     """The sender's path (export, staging, encoding), the receiver's (check, write) and plain copies, in GB/s."""
-    from common.kv_transfer.grpc_transport import DEFAULT_MAX_CHUNK_BYTES
-    from common.kv_transfer.staging import to_host
-    from common.kv_transfer.wire import TransferAssembler, iter_layer_chunks
+    from common.kv_transfer.staging import to_host  # (no gRPC import: the GPU machine may lack grpcio)
+    from common.kv_transfer.wire import DEFAULT_MAX_CHUNK_BYTES, TransferAssembler, iter_layer_chunks
 
     engine, c = ck.engine, ck.counts
     n = min(c.kv_prompt, engine.max_model_len - 2)
@@ -261,8 +266,8 @@ def kv_transfer(ck, s) -> None:
     ck.sync()
     extract_s = time.perf_counter() - t
     nbytes = handoff.num_bytes
-    for k, v in handoff.layers:  # warm-up: the first pinned blocks are allocated here
-        to_host(k, v)
+    warm = [to_host(k, v) for k, v in handoff.layers]  # warm-up: every layer's pinned blocks allocated at once,
+    del warm  # then back in torch's cache for the timed staging (one layer at a time would cache one layer's)
     t = time.perf_counter()
     staged = [to_host(k, v) for k, v in handoff.layers]  # then taken from torch's cache, as a worker's would be
     stage_s = time.perf_counter() - t

@@ -30,6 +30,7 @@ so it may run beside a step. With tensor parallelism :meth:`export_kv`, :meth:`w
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,8 @@ import torch
 from common.engine.kv_handoff import KVHandoff
 from common.engine.request import Request, RequestStatus
 from common.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from common.engine.engine import LLMEngine
@@ -187,7 +190,11 @@ class KVHandoffMixin:
         request.block_ids = self.reservations.take(request_id).block_ids
         request.num_computed_tokens = reservation.num_tokens
         if request.generator is not None and generator_state is not None:
-            request.generator.set_state(generator_state)
+            try:
+                request.generator.set_state(generator_state)
+            except RuntimeError as exc:  # another device kind's generator (a CPU prefill worker, a CUDA decode one)
+                log.warning("request %s: the prefill side's sampling state does not fit this %s generator (%s); "
+                            "sampling goes on from the request's seed", request_id, self.device, exc)  # fmt: skip
         for token in output_token_ids:
             if self._emit_text(request, request.detokenizer.add(token)):
                 break

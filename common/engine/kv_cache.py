@@ -136,8 +136,10 @@ class PagedKVCache:
     # -- one block across all layers, for the spill tiers of the prefix cache ---------------------------------
 
     def copy_block(self, block_id: int) -> torch.Tensor:
-        """A copy of one block's K and V in every layer: [L, 2, H, bs, D]."""
-        return self.data[:, :, :, block_id].clone()
+        """A copy of one block's K and V in every layer, in host memory (the spill tiers keep it there, Redis takes
+        it as bytes): [L, 2, H, bs, D]."""
+        block = self.data[:, :, :, block_id]
+        return block.clone() if block.device.type == "cpu" else block.cpu()
 
     def load_block(self, block_id: int, kv: torch.Tensor) -> None:
         """Overwrite one block in every layer with ``kv`` [L, 2, H, bs, D] (from :meth:`copy_block`)."""

@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from common.kv_transfer.wire import iter_layer_chunks
+from common.kv_transfer.wire import DEFAULT_MAX_CHUNK_BYTES, iter_layer_chunks
 from pdserve.v1 import worker_pb2
 
-DEFAULT_MAX_CHUNK_BYTES = 4 << 20  # the bare gRPC byte stream reaches ~1 GB/s here with 4 MiB messages
 _END = object()
 _PUSH_KV_METHOD = "/pdserve.v1.DecodeService/PushKv"
 _PROBE_LINK_METHOD = "/pdserve.v1.DecodeService/ProbeLink"

@@ -73,3 +73,34 @@ def test_past_the_deadline_every_section_is_skipped_with_a_note():
     assert rc == 1
     assert {name: s["status"] for name, s in result["sections"].items()} == dict.fromkeys(SECTIONS, "skipped")
     assert result["sections"]["oracle"]["text"].startswith("skipped: the global deadline of 0 s passed")
+
+
+def test_a_step_that_raises_leaves_the_engine_empty(tiny_model_dir, monkeypatch):
+    """A section whose step raised must not leave its requests behind for the sections after it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_measure
+
+    from common.engine.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.engine.loader import load_model
+    from common.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(load_model(tiny_model_dir("llama")), EngineConfig(num_kv_blocks=200))
+    check = type("Check", (), {"engine": engine, "greedy": staticmethod(
+        lambda n: SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))})()  # fmt: skip
+    step = engine.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        gpu_measure.timed_run(check, [[5, 6, 7], [8, 9]], 8)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    monkeypatch.setattr(engine, "step", step)
+    assert gpu_measure.timed_run(check, [[5, 6, 7]], 4).token_times  # the next section runs on it

@@ -112,6 +112,37 @@ def test_fp32_greedy_equals_stock_generate_token_for_token(model_dir):
 
 
 @pytest.mark.gpu
+def test_fp32_lone_streams_read_their_consecutive_blocks_in_place(model_dir, monkeypatch):
+    """One stream at a time in fp32: its decode steps read its consecutive blocks in place, where CUDA's
+    memory-efficient SDPA kernel returns a transposed output; tokens equal stock generate's."""
+    import common.engine.attention as attention
+
+    calls = []
+    in_place = attention._in_place_attention
+    monkeypatch.setattr(attention, "_in_place_attention", lambda *a, **k: calls.append(1) or in_place(*a, **k))
+    engine = LLMEngine(load_model(model_dir, dtype="float32", device=CUDA), EngineConfig(num_kv_blocks=200))
+    stock = stock_model(model_dir, torch.float32)
+    for prompt in make_prompts(engine.vocab_size, lens=[7, 50, 130], seed=31):
+        result = engine.generate([prompt], SamplingParams(max_new_tokens=20, **GREEDY))[0]
+        assert result.token_ids == stock_greedy(stock, prompt, 20)
+    assert calls
+
+
+@pytest.mark.gpu
+def test_spilled_blocks_leave_the_device():
+    """Blocks evicted to the KV spill tiers are copied to host memory (Redis takes them as bytes) and load back."""
+    from common.engine.kv_cache import KVCacheSpec, PagedKVCache
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    cache = PagedKVCache(spec, 8, device=CUDA)
+    cache.data.normal_()
+    kv = cache.copy_block(3)
+    assert kv.device.type == "cpu" and torch.equal(kv, cache.data[:, :, :, 3].cpu())
+    cache.load_block(5, kv)
+    assert torch.equal(cache.data[:, :, :, 5], cache.data[:, :, :, 3])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kv_streamed_over_the_wire_between_two_cuda_engines_continues_exactly(model_dir, dtype):
     prompts = make_prompts(4096, lens=[1, 16, 17, 100, 250, 300], seed=11)
@@ -188,7 +219,7 @@ def test_cuda_graph_decode_steps_equal_the_eager_engine(model_dir, dtype):
         if graphs:
             stats = engine.runner.graphs.stats()
             assert stats["enabled"] and stats["capture"], stats
-            assert stats["captured"] >= 6 and stats["steps"] >= 30, stats
+            assert stats["captured"] >= 4 and stats["steps"] >= 30, stats  # 6 shapes with the buckets of 2026-12
     if dtype == "float32":
         assert results[True] == results[False]
         stock = stock_model(model_dir, torch.float32)

@@ -87,6 +87,18 @@ def test_seeded_sampling_continues_across_the_handoff(model_dir):
     assert [out[rid] for rid in ids] == [r.token_ids for r in single]
 
 
+def test_a_sampling_state_of_another_device_kind_still_admits(model_dir, caplog):
+    """A CUDA prefill worker's generator state (16 bytes: seed and offset) cannot set a CPU generator (5,056 bytes),
+    nor the reverse: the request is admitted, generates from its seed, and its blocks come back."""
+    prompt = make_prompts(4096, lens=[40], seed=13)[0]
+    sp = SamplingParams(max_new_tokens=8, temperature=0.8, seed=7, ignore_eos=True)
+    ids, streamed, handoffs = prefill_streaming(model_dir, [prompt], [sp])
+    handoffs[ids[0]].generator_state = torch.zeros(16, dtype=torch.uint8)
+    with caplog.at_level("WARNING", logger="common.engine.disagg"):
+        out = decode_from_stream(model_dir, ids, streamed, handoffs, [sp])  # and its blocks freed (checked there)
+    assert len(out[ids[0]]) == 8 and "sampling goes on from the request's seed" in caplog.text
+
+
 @pytest.fixture
 def engine(model_dir):
     return LLMEngine(load_model(model_dir), EngineConfig(num_kv_blocks=200))
