@@ -111,6 +111,9 @@ class EngineConfig:
 
 def _free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
+        # memory torch's allocator holds but no tensor uses (the full-precision weights an int8 quantization
+        # replaced) counts as free only once handed back to the driver
+        torch.cuda.empty_cache()
         free, _total = torch.cuda.mem_get_info(device)
         return free
     try:

@@ -344,6 +344,11 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        if engine.device.type == "cuda" and engine.device.index is not None:
+            import torch  # (CUDA only: a CPU worker's loop imports nothing more)
+
+            # its kernels, events and current streams on the engine's GPU, not on cuda:0 (a worker on cuda:1)
+            torch.cuda.set_device(engine.device)
         while not self._stopping.is_set():
             self._run_calls(block=not engine.has_unfinished_requests())  # idle: wait up to IDLE_WAIT_S
             if self._stopping.is_set():

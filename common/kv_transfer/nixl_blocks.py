@@ -272,9 +272,9 @@ class NixlBlockSender:
         yet: an event recorded here on the caller's stream is waited for before the blocks are read (a NIXL
         write goes around CUDA's streams)."""
         ready = None
-        if self._cache.data.is_cuda:
+        if self._cache.data.is_cuda:  # the cache's device's stream (the thread's current device may be another)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self._cache.data.device))
         self._layers.put((request_id, layer, np.asarray(src_block_ids, np.int64), ready))
         self._wake.set()
 

@@ -27,6 +27,10 @@ service. The workers' gRPC ports then refuse any peer without a certificate from
 public API stays plaintext. The ready line then ends with `` tls=DIR``. Production should use real
 certificates (cert-manager in Kubernetes): see docs/operations.md.
 
+Workers given ``--device cuda`` without an index (``--worker-arg=--device=cuda``) are spread over the GPUs
+torch sees, ``cuda:0``, ``cuda:1``, ... in turn; where more workers than GPUs share one, each gets
+``--kv-cache-memory`` of its share of the default 0.8 of the free memory (unless it sets its own).
+
 Ctrl-C or SIGTERM stops everything it started (router, workers, Redis, in that order) and exits 0; no
 process is left behind, even if ``up`` itself is killed (children get SIGTERM when their parent dies). A
 worker that dies is reported on stderr; the rest keep serving (the registry drops it within its TTL).
@@ -72,6 +76,47 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=up)
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The last value given to ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``), as argparse would take it."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _num_gpus(workers: list[tuple[str, str, list[str]]]) -> int:
+    """The GPUs torch sees, asked only where a worker wants ``--device cuda`` (importing torch takes a second)."""
+    if not any(_flag_value(argv, "--device") == "cuda" for _, _, argv in workers):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def cuda_placement(workers: list[list[str]], num_gpus: int) -> list[list[str]]:
+    """Arguments to append to each worker's (``workers``: their argv) so that workers asking for ``--device cuda``
+    without an index spread over the machine's ``num_gpus`` GPUs (``cuda:i``, round robin) and, where several
+    share one GPU, each takes its share of the KV memory a lone worker would (the default is 80% of the GPU's
+    free memory, measured as each starts: two at once would each take 80%) unless it sets
+    ``--kv-cache-memory`` itself."""
+    cuda = [i for i, argv in enumerate(workers) if _flag_value(argv, "--device") == "cuda"]
+    extra: list[list[str]] = [[] for _ in workers]
+    if not cuda or num_gpus < 1:
+        return extra
+    sharing = [sum(1 for j in range(len(cuda)) if j % num_gpus == g) for g in range(num_gpus)]
+    for n, i in enumerate(cuda):
+        gpu = n % num_gpus
+        extra[i] += ["--device", f"cuda:{gpu}"]
+        if sharing[gpu] > 1 and _flag_value(workers[i], "--kv-cache-memory") is None:
+            from common.engine.config import DEFAULT_CUDA_KV_CACHE_FRACTION
+
+            extra[i] += ["--kv-cache-memory", f"{DEFAULT_CUDA_KV_CACHE_FRACTION / sharing[gpu]:.4g}"]
+    return extra
+
+
 def up(args: argparse.Namespace) -> int:
     from common.cluster.net import free_port as any_free_port
     from common.cluster.net import wait_for_grpc_health
@@ -110,15 +155,17 @@ def up(args: argparse.Namespace) -> int:
             redis_url = f"redis://127.0.0.1:{port}/0"
         endpoints: dict[str, str] = {}
         pools = (("decode", args.decode, args.decode_arg), ("prefill", args.prefill, args.prefill_arg))
-        for role, count, extra in pools:
-            for i in range(count):
-                name, port = f"{role}-{i}", free_port()
-                argv = [*py, role, "--model", model, "--port", str(port), "--redis-url", redis_url,
-                        "--worker-id", name, *auth_args, *tls_args.get(name, []), *args.worker_arg, *extra]
-                if role == "decode":  # its shm socket lives with the logs, even if the worker is killed
-                    argv += ["--kv-shm-dir", str(log_dir / "kv")]
-                sup.spawn(name, argv, log_path=log_dir / f"{name}.log")
-                endpoints[name] = f"127.0.0.1:{port}"
+        workers = [(f"{role}-{i}", role, [*args.worker_arg, *extra]) for role, count, extra in pools
+                   for i in range(count)]  # fmt: skip
+        placement = cuda_placement([argv for _, _, argv in workers], _num_gpus(workers))
+        for (name, role, worker_args), placed in zip(workers, placement):
+            port = free_port()
+            argv = [*py, role, "--model", model, "--port", str(port), "--redis-url", redis_url,
+                    "--worker-id", name, *auth_args, *tls_args.get(name, []), *worker_args, *placed]
+            if role == "decode":  # its shm socket lives with the logs, even if the worker is killed
+                argv += ["--kv-shm-dir", str(log_dir / "kv")]
+            sup.spawn(name, argv, log_path=log_dir / f"{name}.log")
+            endpoints[name] = f"127.0.0.1:{port}"
         router_port, http_port = args.port or free_port(), args.http_port or free_port()
         router_argv = [*py, "router", "--model", model, "--port", str(router_port), "--http-port", str(http_port),
                        "--redis-url", redis_url, "--local-prefill-threshold", str(args.local_prefill_threshold),
