@@ -59,6 +59,7 @@ _IDLE_POLL_S = 0.005  # ... with nothing in flight
 # cores from the engine: measured on 2 cores 1.33-1.41 GB/s with it vs 1.79-2.23 without (256 MiB between two
 # processes), and over TCP alone 0.67 vs 1.19 GB/s (docs/benchmarks.md).
 PROGRESS_THREAD_ENV = "PDSERVE_NIXL_PROGRESS_THREAD"
+log = logging.getLogger(__name__)
 MAX_ARENA_BYTES = 256 << 20  # the most landing memory one sender may ask a receiver for
 PEER_IDLE_S = 900.0  # a sender silent this long loses its landing arena (see NixlKVReceiver)
 ARENA_GRACE_S = 60.0  # a dropped sender's landing arena is freed this long after its deregistration
@@ -400,7 +401,13 @@ class NixlKVReceiver(SlotReceiver):
         self.max_arena_bytes = max_arena_bytes
         self.peer_idle_s = peer_idle_s
         self._nixl_lock = threading.Lock()
-        self.blocks = BlockLanding(self, kv_cache, on_block_bytes) if kv_cache is not None else None
+        self.blocks = None
+        if kv_cache is not None:
+            try:
+                self.blocks = BlockLanding(self, kv_cache, on_block_bytes)
+            except Exception as e:  # noqa: BLE001  (NIXL's own errors: e.g. a UCX build that cannot register VRAM)
+                log.warning("NIXL cannot register the %s KV cache (%r): no direct block writes, arenas only",
+                            kv_cache.data.device, e)  # fmt: skip
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._peers: dict[str, _NixlPeer] = {}
         self._woken = threading.Event()

@@ -134,11 +134,12 @@ class GpuMonitor:
             log.debug("nvmlShutdown failed: %s", exc)
 
     def _handle(self, ref: GpuRef) -> Any:
-        if ref.uuid:
-            try:
-                return self._nvml.nvmlDeviceGetHandleByUUID(ref.uuid)
-            except self._error:
-                pass  # e.g. a MIG instance: its UUID is not a GPU's
+        if ref.uuid:  # torch gives a MIG instance's UUID as a GPU's: NVML names it "MIG-..."
+            for uuid in (ref.uuid, "MIG-" + ref.uuid.removeprefix("GPU-")):
+                try:
+                    return self._nvml.nvmlDeviceGetHandleByUUID(uuid)
+                except self._error:
+                    pass
         return self._nvml.nvmlDeviceGetHandleByIndex(_nvml_index(ref.index))
 
 

@@ -282,6 +282,24 @@ def test_a_receiver_without_a_cache_or_of_another_layout_refuses_blocks():
 
 
 @needs_nixl
+def test_a_cache_nixl_cannot_register_leaves_arenas_only(monkeypatch, caplog):
+    """A UCX build without GPU memory support refuses a CUDA cache: the receiver starts with arenas only."""
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("NIXL_ERR_NOT_SUPPORTED: no backend for VRAM_SEG")
+
+    monkeypatch.setattr(nixl, "BlockLanding", refused)
+    receiver = nixl.NixlKVReceiver(kv_cache=random_cache(4, 0))
+    try:
+        assert receiver.blocks is None and "arenas only" in caplog.text
+        with pytest.raises(nixl_blocks.BlocksRefused, match="this KV receiver takes no direct block writes"):
+            nixl_blocks.NixlBlockSender(receiver.metadata, random_cache(4, 1))
+        nixl.NixlKVSender(receiver.metadata, arena_bytes=1 << 16, max_chunk_bytes=1 << 12).close()
+    finally:
+        receiver.close()
+
+
+@needs_nixl
 def test_the_setting_is_0_or_1(monkeypatch):
     assert nixl_blocks.blocks_enabled()
     monkeypatch.setenv(nixl_blocks.BLOCKS_ENV, "0")

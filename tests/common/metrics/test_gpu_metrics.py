@@ -96,6 +96,14 @@ def test_the_gauges_show_each_gpu_with_its_cuda_index_read_at_scrape_time():
     assert s[("pdserve:gpu_utilization_ratio", "1")] == 0.05
 
 
+def test_a_mig_instance_is_found_by_its_mig_uuid():
+    """torch names a MIG instance's UUID as a GPU's ("GPU-" + it); NVML as "MIG-" + it, and its index 0 would be
+    another instance or the whole GPU."""
+    nvml = FakeNVML({0: h200("GPU-aaa", 1 * GiB, 1), 1: h200("MIG-bbb", 9 * GiB, 40)})
+    monitor = GpuMonitor(nvml, [GpuRef(0, "GPU-bbb")])
+    assert [(s.index, s.memory_used_bytes) for s in monitor.sample()] == [(0, 9 * GiB)]
+
+
 def test_health_lists_index_name_memory_and_utilization():
     monitor = GpuMonitor(FakeNVML({0: h200("GPU-aaa", 3 * GiB, 50)}), [GpuRef(0, "GPU-aaa")])
     assert monitor.health() == [
