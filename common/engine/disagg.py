@@ -39,6 +39,7 @@ import torch
 from common.engine.kv_handoff import KVHandoff
 from common.engine.request import Request, RequestStatus
 from common.engine.sampling_params import SamplingParams
+from common.kv_transfer.staging import stage_async
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +49,31 @@ if TYPE_CHECKING:
 
 class KVHandoffMixin:
     def _stream_layer(self: LLMEngine, requests: list[Request], layer: int) -> None:
-        """Hand one layer's prompt KV of prefill-only requests to the sink (attention calls it per layer)."""
+        """Hand one layer's prompt KV of prefill-only requests to the sink (attention calls it per layer). On
+        CUDA the copies go to pinned host memory at once, asynchronously (``stage_async``), and reach the sink in
+        order as they complete: at the next layers' calls, the rest at the step's end (:meth:`_deliver_staged`)."""
         for request in requests:
             num_blocks = -(-request.num_tokens // self.kv_spec.block_size)
             blocks = request.block_ids[:num_blocks]
             if self.kv_block_sink is not None and self.kv_block_sink(request.request_id, layer, blocks):
                 continue  # taken in place, by block id
             k, v = self.kv_cache.read_blocks(layer, blocks)
-            self.kv_layer_sink(request.request_id, layer, k, v)
+            if k.is_cuda:
+                self._staged.append((request.request_id, layer, *stage_async(k, v)))
+            else:
+                self.kv_layer_sink(request.request_id, layer, k, v)
+        self._deliver_staged(wait=False)
+
+    def _deliver_staged(self: LLMEngine, *, wait: bool) -> None:
+        """Hand the sink the staged layers whose copies to the host completed, in the order staged; every one if
+        ``wait`` (the step's end)."""
+        while self._staged:
+            request_id, layer, k, v, ready = self._staged[0]
+            if not wait and not ready.query():
+                return
+            ready.synchronize()
+            self._staged.popleft()
+            self.kv_layer_sink(request_id, layer, k, v)
 
     def export_kv(self: LLMEngine, request_id: str, *, with_kv: bool = True) -> KVHandoff:
         """The KV of a prefilled request (see ``prefill_only``); frees its blocks here. Called once.

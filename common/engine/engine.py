@@ -140,6 +140,7 @@ class LLMEngine(KVHandoffMixin):
         self.sampler = Sampler(seed=config.seed)
         self.reservations = ReservationTable(self.block_pool, config.block_size)
         self.kv_layer_sink = kv_layer_sink
+        self._staged: deque = deque()  # (request id, layer, k, v, event): CUDA layers on their way to the host
         self.kv_block_sink: KVBlockSink | None = None
         self._requests: dict[str, Request] = {}  # every request not yet finished and reported
         self.counters = EngineCounters()
@@ -352,8 +353,11 @@ class LLMEngine(KVHandoffMixin):
         if self.tensor_parallel is not None:  # the follower ranks run the same forward pass
             self.tensor_parallel.send_step(batch)
         if completing:
+            self._staged.clear()  # (left only by a step that raised: its requests failed)
             batch.attn.on_layer_written = partial(self._stream_layer, completing)
         logits = self.runner.run(batch)  # [S, V]
+        if completing:
+            self._deliver_staged(wait=True)
         touched = [r for r, _ in sched.scheduled]
         for request, n in sched.scheduled:
             request.num_computed_tokens += n

@@ -229,7 +229,8 @@ class TensorParallelGroup:
     def gather_kv(self, kv_cache: PagedKVCache, block_ids: Sequence[int],
                   total_heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Driver: K and V of ``block_ids`` in every layer with all ``total_heads`` KV heads ([n, bs, H, D]
-        each, on the cache's device), gathered from every rank (collective with the followers)."""
+        each), gathered from every rank (collective with the followers): in host memory where the heads were
+        gathered (over gloo, on the host: a sender would stage them back to it), else on the cache's device."""
         spec = kv_cache.spec
         block_ids = [int(b) for b in block_ids]
         self.head_slice(spec.num_kv_heads, total_heads)  # the counts must fit before the followers are told
@@ -242,7 +243,7 @@ class TensorParallelGroup:
             local = _read_layers(kv_cache, block_ids)  # [L, 2, n, bs, Hl, D*elem] uint8
             parts = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.gather(local, parts, dst=0, group=self._step_group)
-        full = torch.cat(parts, dim=4).view(spec.dtype).to(kv_cache.data.device)  # heads in rank order
+        full = torch.cat(parts, dim=4).view(spec.dtype)  # heads in rank order
         return [(full[layer, 0], full[layer, 1]) for layer in range(spec.num_layers)]
 
     def write_kv(self, kv_cache: PagedKVCache, layer: int, block_ids: Sequence[int], key: torch.Tensor,

@@ -21,9 +21,9 @@ def to_host(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     Non-CUDA input: ``k.contiguous().cpu()``, likewise ``v`` (contiguous CPU tensors come back as they are, no
     copy). CUDA input: the two halves of one pinned ``[2, *k.shape]`` tensor, filled by non-blocking copies on
     the current stream of ``k``'s device, which is synchronized before returning: the copies follow every
-    kernel queued on that stream before the call (the engine queues its ``read_blocks`` on the default stream
-    before handing the blocks over), and the bytes are complete when this returns. Blocks the calling thread
-    for the copy: meant for a transport's sending thread, not the engine's.
+    kernel queued on that stream before the call (``export_kv``'s ``read_blocks`` on the default stream), and
+    the bytes are complete when this returns. Blocks the calling thread for the copy: meant for a transport's
+    sending thread, not the engine's (whose layer sink gets host copies already: :func:`stage_async`).
     """
     if k.device.type != "cuda":
         return k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
@@ -34,3 +34,20 @@ def to_host(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     host[1].copy_(v.detach(), non_blocking=True)
     torch.cuda.current_stream(k.device).synchronize()
     return host[0], host[1]
+
+
+def stage_async(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+    """CUDA ``k`` and ``v`` (equal shapes and dtypes) into the two halves of one pinned host tensor, by
+    non-blocking copies queued on the current stream of their device after the kernels that wrote them, and an
+    event recorded after the copies: the halves hold the bytes once the event completed. Returns at once: for the
+    engine's thread, which hands a layer's KV off the device as it is computed (a queue of device copies waiting
+    on a slow link would hold GPU memory the KV budget does not count)."""
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"K {tuple(k.shape)} {k.dtype} and V {tuple(v.shape)} {v.dtype} differ")
+    host = torch.empty((2, *k.shape), dtype=k.dtype, pin_memory=True)
+    with torch.cuda.device(k.device):
+        host[0].copy_(k.detach(), non_blocking=True)
+        host[1].copy_(v.detach(), non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(k.device))
+    return host[0], host[1], ready

@@ -99,6 +99,36 @@ def test_a_sampling_state_of_another_device_kind_still_admits(model_dir, caplog)
     assert len(out[ids[0]]) == 8 and "sampling goes on from the request's seed" in caplog.text
 
 
+def test_staged_layers_reach_the_sink_in_order_as_their_copies_complete(model_dir):
+    """On CUDA a streamed layer is staged to the host (an event per copy): the sink gets the layers whose copies
+    completed, in the order staged (never one past a copy still running), and every one at the step's end."""
+
+    class Copy:  # a torch.cuda.Event's two calls
+        def __init__(self):
+            self.done, self.waited = False, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = self.done = True
+
+    got = []
+    engine = LLMEngine(load_model(model_dir), EngineConfig(num_kv_blocks=200),
+                       kv_layer_sink=lambda rid, layer, k, v: got.append((rid, layer)))  # fmt: skip
+    copies = [Copy() for _ in range(4)]
+    for i, copy in enumerate(copies):
+        engine._staged.append((f"r{i % 2}", i // 2, None, None, copy))
+    copies[1].done = copies[3].done = True
+    engine._deliver_staged(wait=False)
+    assert got == []  # the first copy still runs
+    copies[0].done = True
+    engine._deliver_staged(wait=False)
+    assert got == [("r0", 0), ("r1", 0)]
+    engine._deliver_staged(wait=True)
+    assert got == [("r0", 0), ("r1", 0), ("r0", 1), ("r1", 1)] and copies[2].waited and not engine._staged
+
+
 @pytest.fixture
 def engine(model_dir):
     return LLMEngine(load_model(model_dir), EngineConfig(num_kv_blocks=200))
