@@ -120,6 +120,7 @@ class LLMEngine(KVHandoffMixin):
         self.block_pool = BlockPool(num_blocks, self.config.kv_block_placement)
         # with graphs, one block more than the pool hands out: where the padding rows of a graph step write
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks + graphs, self.device)
+        self.kv_cache.write_kernel = kernels
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels,
                                   flat_forward=config.flat_forward,
                                   prefill_kernel=kernels

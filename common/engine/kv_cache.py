@@ -84,6 +84,7 @@ class PagedKVCache:
         self.data.zero_()
         self._by_block = self.data.view(spec.num_layers, 2 * h * num_blocks, bs, d)
         self._by_slot = self.data.view(spec.num_layers, 2 * h * num_blocks * bs, d)
+        self.write_kernel = False  # write() by pdserve::write_kv_ (CPU caches of engines whose kernels loaded)
         # offset of (K|V, head) planes, in blocks: [2*H]
         self._plane = torch.arange(2 * h, device=device) * num_blocks
         # Reused output of gather(): a fresh tensor of tens of MB per layer and step would be a fresh mmap
@@ -104,7 +105,13 @@ class PagedKVCache:
     # -- per-layer data movement ----------------------------------------------------------------------------
 
     def write(self, layer: int, write_index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store the K/V of new tokens: ``key``/``value`` [H, T, D] (head-major)."""
+        """Store the K/V of new tokens: ``key``/``value`` [H, T, D] (head-major). With :attr:`write_kernel` (set
+        by an engine whose CPU kernels loaded) rows in the cache's dtype go by ``pdserve::write_kv_``, straight
+        from where they lie."""
+        same = key.dtype == value.dtype == self.spec.dtype
+        if self.write_kernel and same and key.stride(-1) == value.stride(-1) == 1:
+            torch.ops.pdserve.write_kv_(self._by_slot[layer], write_index, key, value)
+            return
         src = torch.stack((key, value)).to(self.spec.dtype)  # [2, H, T, D]
         self._by_slot[layer].index_copy_(0, write_index, src.view(-1, self.spec.head_dim))
 

@@ -466,3 +466,32 @@ def test_an_engine_packed_for_prefill_keeps_onednn_layouts_for_bf16_on_amx(tiny_
     assert tokens["prefill"] == tokens["decode"]
     with pytest.raises(ValueError, match="weight_layout must be one of decode, prefill"):
         EngineConfig(weight_layout="auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 16, 700])
+def test_write_kv_puts_each_row_where_index_copy_does(dtype, tokens):
+    """K and V as a fused q/k/v product leaves them (strided views) into a cache's slots: the same cache as
+    stack + index_copy_; a slot outside the cache is refused before anything is written."""
+    from common.engine.kv_cache import KVCacheSpec, PagedKVCache
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype=dtype)
+    caches = [PagedKVCache(spec, 64), PagedKVCache(spec, 64)]
+    caches[1].write_kernel = True
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (8 + 4 + 4) * 64, generator=g).to(dtype)
+    key = qkv[:, 8 * 64 : 12 * 64].view(tokens, 4, 64).transpose(0, 1)  # [H, T, D], token stride 1024
+    value = qkv[:, 12 * 64 :].view(tokens, 4, 64).transpose(0, 1)
+    slots = torch.randperm(64 * 16, generator=g)[:tokens]
+    for cache in caches:
+        cache.write(1, cache.write_index(slots), key, value)
+    assert torch.equal(caches[0].data, caches[1].data) and caches[1].data[1].abs().sum() > 0
+    assert caches[1].data[0].abs().sum() == 0
+    before = caches[1].data.clone()
+    bad = caches[1].write_index(slots)
+    bad[-1] = caches[1]._by_slot.shape[1]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        caches[1].write(0, bad, key, value)
+    assert torch.equal(caches[1].data, before)
+    with pytest.raises(RuntimeError, match="cache's dtype"):
+        torch.ops.pdserve.write_kv_(caches[1]._by_slot[0], caches[1].write_index(slots), key.double(), value.double())
