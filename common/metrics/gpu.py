@@ -73,10 +73,12 @@ class GpuMonitor:
         self._closed = False
 
     @classmethod
-    def for_device(cls, device: Any, nvml: Any = None) -> GpuMonitor | None:
+    def for_device(cls, device: Any, nvml: Any = None, ranks: int = 1) -> GpuMonitor | None:
         """A monitor of the CUDA ``device`` (``torch.device`` or its name); None for a CPU device, without
         ``pynvml``, when NVML does not start or does not find the device. ``nvml``: the NVML module to use
-        (default: ``import pynvml``). Never raises for a missing or broken NVML."""
+        (default: ``import pynvml``). ``ranks`` > 1: a tensor-parallel engine's GPUs, ``cuda:0`` to
+        ``cuda:ranks-1`` (one a rank, as :mod:`common.engine.tp_launcher` places them). Never raises for a missing
+        or broken NVML."""
         import torch
 
         device = torch.device(device)
@@ -93,8 +95,11 @@ class GpuMonitor:
         except getattr(nvml, "NVMLError", Exception) as exc:
             log.info("no GPU metrics: NVML did not start: %s", exc)
             return None
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        monitor = cls(nvml, [GpuRef(index, _cuda_uuid(index))])
+        if ranks > 1:
+            indices = list(range(ranks))
+        else:
+            indices = [device.index if device.index is not None else torch.cuda.current_device()]
+        monitor = cls(nvml, [GpuRef(index, _cuda_uuid(index)) for index in indices])
         if not monitor._devices:
             monitor.close()
             return None

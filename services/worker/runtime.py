@@ -190,7 +190,8 @@ def serve_worker(
         identity = ModelIdentity.of_engine(engine)
         attach_kv_tiers(engine, identity, config)
         heartbeater: Heartbeater | None = None
-        gpu = GpuMonitor.for_device(engine.device)  # None on the CPU or without nvidia-ml-py: no GPU figures
+        # None on the CPU or without nvidia-ml-py: no GPU figures; with tensor parallelism every rank's GPU
+        gpu = GpuMonitor.for_device(engine.device, ranks=config.tensor_parallel_size)
         metrics = WorkerMetrics(role, lambda: loop.stats, lambda: heartbeater is not None and heartbeater.connected,
                                 gpu=gpu)
         loop = EngineLoop(engine, name=f"{role}-engine", on_request_finished=metrics.observe_request).start()

@@ -182,3 +182,10 @@ def test_for_device_watches_the_engine_device_and_close_is_idempotent():
     monitor.close()
     monitor.close()
     assert nvml.calls == ["init", "shutdown"] and monitor.sample() == []
+
+
+def test_for_device_watches_every_tensor_parallel_rank():
+    nvml = FakeNVML({i: h200(f"GPU-{i}", i * GiB, 10 * i) for i in range(4)})
+    monitor = GpuMonitor.for_device("cuda:0", nvml=nvml, ranks=2)  # ranks on cuda:0 and cuda:1
+    assert monitor is not None and monitor.indices == [0, 1]
+    assert [s.memory_used_bytes for s in monitor.sample()] == [0, GiB]
