@@ -76,8 +76,9 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=up)
 
 
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    """The last value given to ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``), as argparse would take it."""
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value given to ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``; the last one wins, as argparse takes
+    it), else None."""
     value = None
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):
@@ -89,7 +90,7 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
 
 def _num_gpus(workers: list[tuple[str, str, list[str]]]) -> int:
     """The GPUs torch sees, asked only where a worker wants ``--device cuda`` (importing torch takes a second)."""
-    if not any(_flag_value(argv, "--device") == "cuda" for _, _, argv in workers):
+    if not any(flag_value(argv, "--device") == "cuda" for _, _, argv in workers):
         return 0
     import torch
 
@@ -102,18 +103,18 @@ def cuda_placement(workers: list[list[str]], num_gpus: int) -> list[list[str]]:
     share one GPU, each takes its share of the KV memory a lone worker would (the default is 80% of the GPU's
     free memory, measured as each starts: two at once would each take 80%) unless it sets
     ``--kv-cache-memory`` itself."""
-    cuda = [i for i, argv in enumerate(workers) if _flag_value(argv, "--device") == "cuda"]
+    cuda = [i for i, argv in enumerate(workers) if flag_value(argv, "--device") == "cuda"]
     extra: list[list[str]] = [[] for _ in workers]
     if not cuda or num_gpus < 1:
         return extra
-    sharing = [sum(1 for j in range(len(cuda)) if j % num_gpus == g) for g in range(num_gpus)]
+    from common.engine.config import DEFAULT_CUDA_KV_CACHE_FRACTION
+
     for n, i in enumerate(cuda):
         gpu = n % num_gpus
+        sharing = len(range(gpu, len(cuda), num_gpus))  # the workers placed on this GPU
         extra[i] += ["--device", f"cuda:{gpu}"]
-        if sharing[gpu] > 1 and _flag_value(workers[i], "--kv-cache-memory") is None:
-            from common.engine.config import DEFAULT_CUDA_KV_CACHE_FRACTION
-
-            extra[i] += ["--kv-cache-memory", f"{DEFAULT_CUDA_KV_CACHE_FRACTION / sharing[gpu]:.4g}"]
+        if sharing > 1 and flag_value(workers[i], "--kv-cache-memory") is None:
+            extra[i] += ["--kv-cache-memory", f"{DEFAULT_CUDA_KV_CACHE_FRACTION / sharing:.4g}"]
     return extra
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from pdserve.commands.up import flag_value  # noqa: F401  (the deployment tests' one flag reader, as up's)
+
 # In the usage section: "[--port PORT]" and "--arch {llama,qwen2}" take a value, "[--prefix-caching |
 # --no-prefix-caching]" does not.
 _USAGE_FLAG = re.compile(r"(--[a-z0-9][a-z0-9-]*)(?: ([A-Z][A-Z0-9_]*|\{[^}]*\}))?")
@@ -67,14 +69,3 @@ def bad_args(argv: list[str]) -> list[str]:
             problems.append(f"pdserve {' '.join(command)}: {name} takes no value, got {arg!r}")
         i += 1
     return problems
-
-
-def flag_value(argv: list[str], flag: str) -> str | None:
-    """The value given to ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``; the last one wins), else None."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value

@@ -6,7 +6,6 @@ router equal one CUDA engine's output in fp32. Marked ``gpu``: skipped without a
 from __future__ import annotations
 
 import shutil
-import threading
 
 import pytest
 import torch
@@ -25,8 +24,7 @@ def test_a_cuda_cluster_equals_one_cuda_engine(transport, tiny_model_dir, tmp_pa
         pytest.importorskip(module)
     if shutil.which("redis-server") is None:
         pytest.skip("no redis-server on the PATH (pdserve up starts one)")
-    from pdserve.client import Client
-    from tests.services.up import pdserve_up
+    from tests.services.up import generate_concurrently, pdserve_up
 
     model_dir = tiny_model_dir("llama")
     prompts = make_prompts(4096, lens=[1, 9, 17, 64, 130, 250, 300, 33], seed=41)
@@ -36,25 +34,10 @@ def test_a_cuda_cluster_equals_one_cuda_engine(transport, tiny_model_dir, tmp_pa
                                                             for n in new_tokens])]  # fmt: skip
     del engine
     torch.cuda.empty_cache()
-    results: dict[int, object] = {}
-    errors: list[BaseException] = []
     with pdserve_up("--model", model_dir, "--prefill", "1", "--decode", "1", "--log-dir", str(tmp_path),
                     "--worker-arg=--device=cuda", "--worker-arg=--dtype=float32",
                     f"--prefill-arg=--kv-transport={transport}") as info:  # fmt: skip
-
-        def one(i):
-            try:
-                with Client(info["router"], timeout_s=120) as client:
-                    results[i] = client.generate(prompts[i], max_tokens=new_tokens[i], temperature=0.0,
-                                                 ignore_eos=True)  # fmt: skip
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
+        results, errors = generate_concurrently(info["router"], prompts, new_tokens)
     assert not errors, errors
     assert [results[i].token_ids for i in range(len(prompts))] == want
     assert info["returncode"] == 0

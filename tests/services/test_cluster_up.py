@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import grpc
@@ -22,7 +21,7 @@ import torch
 from pdserve.client import Client
 from tests.cli import pdserve
 from tests.conftest import hf_greedy
-from tests.services.up import pdserve_up
+from tests.services.up import generate_concurrently, pdserve_up
 
 HEARTBEAT_TTL_S = 3.0
 
@@ -50,21 +49,7 @@ def test_concurrent_requests_equal_generate_and_use_both_pools(cluster, model_di
     lens = [1, 3, 9, 16, 17, 30, 45, 64, 80, 100, 120, 150, 180, 200, 250, 300]
     prompts = [torch.randint(4, 4096, (n,), generator=g).tolist() for n in lens]
     max_tokens = [4 + (i * 5) % 29 for i in range(len(prompts))]
-    results: dict[int, object] = {}
-    errors: list[BaseException] = []
-
-    def one(i):
-        try:
-            with Client(cluster["router"], timeout_s=120) as client:
-                results[i] = client.generate(prompts[i], max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
+    results, errors = generate_concurrently(cluster["router"], prompts, max_tokens)
     assert not errors, errors
     reference = hf_reference(model_dir)
     for i, prompt in enumerate(prompts):

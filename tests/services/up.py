@@ -37,3 +37,27 @@ def pdserve_up(*args: str) -> Iterator[dict]:
     finally:
         proc.send_signal(signal.SIGINT)
         info["returncode"] = proc.wait(60)
+
+
+def generate_concurrently(router: str, prompts: list[list[int]], max_tokens: list[int],
+                          timeout_s: float = 180) -> tuple[dict[int, object], list[BaseException]]:  # fmt: skip
+    """Every prompt at once, one client thread each (greedy, EOS ignored) through ``router``: the results by prompt
+    index, and the errors raised."""
+    from pdserve.client import Client
+
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def one(i):
+        try:
+            with Client(router, timeout_s=120) as client:
+                results[i] = client.generate(prompts[i], max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return results, errors
