@@ -20,20 +20,16 @@ def to_host(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
     Non-CUDA input: ``k.contiguous().cpu()``, likewise ``v`` (contiguous CPU tensors come back as they are, no
     copy). CUDA input: the two halves of one pinned ``[2, *k.shape]`` tensor, filled by non-blocking copies on
-    the current stream of ``k``'s device, which is synchronized before returning: the copies follow every
+    the current stream of ``k``'s device, waited for before returning (:func:`stage_async`): the copies follow every
     kernel queued on that stream before the call (``export_kv``'s ``read_blocks`` on the default stream), and
     the bytes are complete when this returns. Blocks the calling thread for the copy: meant for a transport's
     sending thread, not the engine's (whose layer sink gets host copies already: :func:`stage_async`).
     """
     if k.device.type != "cuda":
         return k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
-    if k.shape != v.shape or k.dtype != v.dtype:
-        raise ValueError(f"K {tuple(k.shape)} {k.dtype} and V {tuple(v.shape)} {v.dtype} differ")
-    host = torch.empty((2, *k.shape), dtype=k.dtype, pin_memory=True)
-    host[0].copy_(k.detach(), non_blocking=True)
-    host[1].copy_(v.detach(), non_blocking=True)
-    torch.cuda.current_stream(k.device).synchronize()
-    return host[0], host[1]
+    host_k, host_v, ready = stage_async(k, v)
+    ready.synchronize()
+    return host_k, host_v
 
 
 def stage_async(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
