@@ -24,6 +24,7 @@ integrity check.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -123,12 +124,15 @@ def load_model(model_dir: str | os.PathLike[str], *, dtype: str | torch.dtype | 
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         torch_dtype = resolve_dtype(dtype, config)
         extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+        sharding = contextlib.nullcontext()
         if tensor_parallel is not None:
             extra["distributed_config"] = tensor_parallel.distributed_config()
-        model = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=torch_dtype, local_files_only=True, use_safetensors=not pickled,
-            weights_only=True, **extra
-        )
+            sharding = tensor_parallel.loading()
+        with sharding:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, config=config, dtype=torch_dtype, local_files_only=True, use_safetensors=not pickled,
+                weights_only=True, **extra
+            )
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         generation_config = (GenerationConfig.from_pretrained(path, local_files_only=True)
                              if (path / "generation_config.json").is_file() else None)

@@ -47,10 +47,11 @@ quantization; the CPU packed-linear path is skipped (the weights are DTensor sha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -116,9 +117,10 @@ class TensorParallelGroup:
     """
 
     def __init__(self, rank: int, world_size: int, step_group: Any, *, owns_process_group: bool,
-                 followers: Sequence[BaseProcess] = ()) -> None:
+                 followers: Sequence[BaseProcess] = (), device: str | torch.device = "cpu") -> None:
         self.rank = rank
         self.world_size = world_size
+        self.device_type = torch.device(device).type
         self._step_group = step_group
         self._owns_process_group = owns_process_group
         self._followers = list(followers)
@@ -150,7 +152,7 @@ class TensorParallelGroup:
             raise ValueError(f"torch.distributed runs rank {dist.get_rank()} of {dist.get_world_size()}, "
                              f"not rank {rank} of {world_size}")
         step_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=idle_timeout_s))
-        return cls(rank, world_size, step_group, owns_process_group=owns, followers=followers)
+        return cls(rank, world_size, step_group, owns_process_group=owns, followers=followers, device=device)
 
     @property
     def is_driver(self) -> bool:
@@ -161,6 +163,25 @@ class TensorParallelGroup:
         from transformers.distributed import DistributedConfig
 
         return DistributedConfig(tp_size=self.world_size)
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """Around ``from_pretrained(distributed_config=...)``: transformers builds the device mesh, and places the
+        shards, on the host's accelerator (``torch._C._get_accelerator()``) whatever device the caller asked for,
+        so a CPU rank on a GPU host would bind a GPU and shard onto it (and a mesh of one kind over a gloo group
+        of CPU tensors). Inside this block the accelerator reads as this group's device kind; outside, it is
+        torch's own again. Nothing changes where the two agree (a CPU host, or CUDA ranks on a GPU host)."""
+        detect = torch._C._get_accelerator
+        if detect().type == self.device_type:
+            yield
+            return
+        log.info("tensor parallel: the model is sharded on the %s, not on this host's %s", self.device_type,
+                 detect().type)
+        torch._C._get_accelerator = lambda *args, **kwargs: torch.device(self.device_type)
+        try:
+            yield
+        finally:
+            torch._C._get_accelerator = detect
 
     def local_kv_heads(self, model: torch.nn.Module, num_kv_heads: int) -> int:
         """KV heads of ``model`` on this rank under its plan (transformers' own count); ValueError if uneven."""

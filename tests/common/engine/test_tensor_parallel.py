@@ -72,9 +72,9 @@ def test_size_that_does_not_split_the_heads_is_refused(tiny_model_dir, size):
         launch_engine(tiny_model_dir("llama"), EngineConfig(), tensor_parallel_size=size)
 
 
-def _pdserve_run(*args: str) -> list[dict]:
+def _pdserve_run(*args: str, env: dict[str, str] | None = None) -> list[dict]:
     """``pdserve run ARGS --json`` in its own process group; every process of the group is gone afterwards."""
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "run", *args, "--json"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "run", *args, "--json"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=TP_TIMEOUT_S)
@@ -116,3 +116,33 @@ def test_two_ranks_generate_what_one_process_and_generate_do(tiny_model_dir, hf_
         assert obj["token_ids"] == one.token_ids, f"prompt {i}: two ranks differ from one process"
         assert obj["token_ids"] == hf_greedy(reference, prompt, n), f"prompt {i}: differs from stock generate"
         assert obj["finish_reason"] == "length"
+
+
+# Imported first by every Python process the test starts (the driver and the follower it spawns): torch then says
+# this host's accelerator is CUDA, as it does on a GPU host. transformers builds its tensor-parallel device mesh on
+# that accelerator, and binding a CUDA device fails at once on this CPU-only torch.
+_GPU_HOST = """
+import torch
+torch._C._get_accelerator = lambda *args, **kwargs: torch.device("cuda")
+"""
+
+
+@pytest.mark.slow
+def test_cpu_ranks_on_a_gpu_host_shard_on_the_cpu(tiny_model_dir, tmp_path):
+    """``--device cpu --tensor-parallel-size 2`` where torch reports a GPU: the shards and the mesh stay on the
+    CPU, and the two ranks generate what one process does."""
+    model_dir = tiny_model_dir("llama")
+    prompts = [list(range(20, 33)), list(range(100, 105))]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt_ids": p, "max_tokens": 8}) + "\n" for p in prompts))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_GPU_HOST)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+
+    sharded = _pdserve_run("--device", "cpu", "--tensor-parallel-size", "2", "--threads", "1", "--ignore-eos",
+                           "--model", model_dir, "--prompts-file", str(f), env=env)
+
+    engine = LLMEngine(load_model(model_dir), EngineConfig())
+    single = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [obj["token_ids"] for obj in sharded] == [one.token_ids for one in single]
