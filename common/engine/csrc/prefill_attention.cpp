@@ -320,7 +320,12 @@ void attend_item(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_
 // torch's 23.2-23.6 (alternating, medians); with V^T as one [dim][keys] matrix (its tile rows 4 KiB apart) 27 ms.
 // Heads of 128: 23.3 against 29.6 (the vdpbf16ps kernel 115.9).
 
-constexpr int64_t KC = BK;        // keys a chunk (the packing's blocks)
+// Keys a chunk: two 16-key tiles, one P^T tile. Against chunks of 64 (two tile pairs), the same Xeon, alternating
+// in one process, prompts of 37 to 2,048 tokens, heads of 64 and 128: 1.00-1.11x where its matmul ran fast (about
+// 1.04x typical), 1.10-1.19x in its slow phase; each V^T tile is 1 KiB contiguous, and the masked chunk on the
+// diagonal half as wide. Chunks of 128: 0.75x.
+constexpr int64_t KC = 32;
+static_assert(KC % 32 == 0 && BK % KC == 0, "a chunk is whole P^T tiles, and packing blocks hold whole chunks");
 constexpr int64_t AMX_DIM = 128;  // head dims up to this (a multiple of 32): O^T's first 64 in tiles 0-3
 constexpr float RESCALE = 8.f;    // log2 of the growth allowed before the outputs are rescaled
 
@@ -333,9 +338,9 @@ void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// K rows into kp ([keys_pad][dim] bf16), V transposed chunk by chunk into vp ([keys_pad / KC][dim][KC] bf16: the
-// V^T tiles of a chunk 128 bytes a row; rows a whole V^T apart, 4 KiB at 2,048 keys, fell in one L1 set), zeros
-// past len.
+// K rows into kp ([keys_pad][dim] bf16), V transposed chunk by chunk into vp ([keys_pad / KC][dim][KC] bf16: a
+// chunk's V^T tile rows are 64 bytes, one after the other; rows a whole V^T apart, 4 KiB at 2,048 keys, fell in one
+// L1 set), zeros past len.
 template <typename KeyRow, typename ValueRow>
 void pack_kv_amx(int64_t len, int64_t dim, const KeyRow& key_row, const ValueRow& value_row, uint32_t* kp,
                  uint32_t* vp) {
