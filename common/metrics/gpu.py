@@ -48,7 +48,9 @@ class GpuSample:
     name: str
     memory_used_bytes: int  # by every process on the GPU, not only this one
     memory_total_bytes: int
-    utilization: float  # 0-1: share of NVML's last sample period (1/6 s to 1 s) in which a kernel ran
+    # 0-1: share of NVML's last sample period (1/6 s to 1 s) in which a kernel ran; None where NVML does not say
+    # (a MIG instance: utilization is NOT_SUPPORTED there, its memory is not)
+    utilization: float | None
 
 
 class GpuMonitor:
@@ -111,16 +113,21 @@ class GpuMonitor:
         return [index for index, _, _ in self._devices]
 
     def sample(self) -> list[GpuSample]:
-        """Each GPU's figures now, in index order; a GPU whose query fails is left out (logged at debug)."""
+        """Each GPU's figures now, in index order; a GPU whose memory query fails is left out, one whose
+        utilization query fails has ``utilization`` None (both logged at debug)."""
         out = []
         for index, name, handle in self._devices:
             try:
                 memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
-                rates = self._nvml.nvmlDeviceGetUtilizationRates(handle)
             except self._error as exc:
-                log.debug("NVML query of GPU %d failed: %s", index, exc)
+                log.debug("NVML memory query of GPU %d failed: %s", index, exc)
                 continue
-            out.append(GpuSample(index, name, int(memory.used), int(memory.total), float(rates.gpu) / 100.0))
+            try:
+                utilization = float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu) / 100.0
+            except self._error as exc:
+                log.debug("NVML utilization query of GPU %d failed: %s", index, exc)
+                utilization = None
+            out.append(GpuSample(index, name, int(memory.used), int(memory.total), utilization))
         return out
 
     def health(self) -> list[dict]:
@@ -161,7 +168,9 @@ class GpuCollector(Collector):
                                (n.GPU_UTILIZATION, lambda s: s.utilization)):  # fmt: skip
             family = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
             for s in samples:
-                family.add_metric((str(s.index),), value_of(s))
+                value = value_of(s)
+                if value is not None:  # no series for a figure NVML does not give (a MIG instance's utilization)
+                    family.add_metric((str(s.index),), value)
             yield family
 
 

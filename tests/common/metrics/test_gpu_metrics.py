@@ -59,6 +59,8 @@ class FakeNVML:
         return SimpleNamespace(used=gpu["used"], total=gpu["total"], free=gpu["total"] - gpu["used"])
 
     def nvmlDeviceGetUtilizationRates(self, handle):
+        if self.gpus[handle]["util"] is None:  # a MIG instance
+            raise FakeNVMLError("Not Supported")
         return SimpleNamespace(gpu=self.gpus[handle]["util"], memory=0)
 
 
@@ -102,6 +104,21 @@ def test_a_mig_instance_is_found_by_its_mig_uuid():
     nvml = FakeNVML({0: h200("GPU-aaa", 1 * GiB, 1), 1: h200("MIG-bbb", 9 * GiB, 40)})
     monitor = GpuMonitor(nvml, [GpuRef(0, "GPU-bbb")])
     assert [(s.index, s.memory_used_bytes) for s in monitor.sample()] == [(0, 9 * GiB)]
+
+
+def test_a_mig_instance_shows_its_memory_without_a_utilization():
+    """NVML answers NOT_SUPPORTED for a MIG instance's utilization, not for its memory: the memory gauges stay,
+    the utilization series is absent and /healthz says null (before, the whole GPU was left out)."""
+    nvml = FakeNVML({0: h200("GPU-aaa", 1 * GiB, 30), 1: h200("MIG-bbb", 9 * GiB, None)})
+    monitor = GpuMonitor(nvml, [GpuRef(0, "GPU-aaa"), GpuRef(1, "GPU-bbb")])
+    assert [(s.index, s.memory_used_bytes, s.utilization) for s in monitor.sample()] == [(0, GiB, 0.3),
+                                                                                      (1, 9 * GiB, None)]
+    assert monitor.health()[1]["utilization"] is None
+    assert gpu_samples(worker_metrics(monitor)) == {
+        ("pdserve:gpu_memory_used_bytes", "0"): GiB, ("pdserve:gpu_memory_used_bytes", "1"): 9 * GiB,
+        ("pdserve:gpu_memory_total_bytes", "0"): 141 * GiB, ("pdserve:gpu_memory_total_bytes", "1"): 141 * GiB,
+        ("pdserve:gpu_utilization_ratio", "0"): 0.3,
+    }
 
 
 def test_health_lists_index_name_memory_and_utilization():
