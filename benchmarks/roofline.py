@@ -9,11 +9,14 @@
    2 x 2 x layers x heads x head_dim x (n^2 + n) / 2), plus the LM head once (``logits_to_keep``: only the
    last token's logits are computed). Where the engine's decode layout of the weights is not what a prefill
    worker packs (bf16 on AMX CPUs: ``--weight-layout prefill``), the prefill also runs on an engine packed as a
-   prefill worker's. The prefills run in --rounds rounds, each between two probes of the peak, and each round's
-   fractions are taken against the higher of its two probes: on a host whose matmul rate swings with its
-   neighbours' load (a 2-core Xeon VM read 790 and 2,450 bf16 GFLOP/s minutes apart) a peak probed once, minutes
-   before the prefill, measured the phase more than the engine. The figures printed are the median round's (by
-   the engine's fraction); --json lists every round (``prefill_rounds``).
+   prefill worker's. The prefills run in --rounds rounds, each prefill between two probes of the peak (one right
+   before it, one right after), and each prefill's fraction is taken against the higher of its two probes: on a
+   host whose matmul rate swings with its neighbours' load (a 2-core Xeon VM read 790 and 2,450 bf16 GFLOP/s
+   minutes apart, and 925 and 2,200 within one round of seconds) a peak probed once, minutes before the prefill,
+   measured the phase more than the engine. A prefill is *steady* where its two probes agree within 15%
+   (``STEADY``): the phase did not change under it. Each system's figure is the median of its steady prefills (of
+   all of them where none was steady, said so in the output); --json lists every round (``prefill_rounds``) and
+   each system's count of steady ones (``..._steady_rounds``).
 3. Single-stream decode: one request (--decode-prompt-len prompt tokens, --decode-tokens new tokens), its
    decode steps as a fraction of the bandwidth roofline: each step reads every weight the step uses (all
    parameters but the embedding table, of which it reads one row; the LM head counts even when tied to the
@@ -21,7 +24,7 @@
 Stock transformers (``generate``, default attention) runs the same prefill and decode for comparison, so the
 engine's fractions sit next to HF's from the same run.
 
-  python benchmarks/roofline.py [--model DIR] [--size 60m|350m] [--dtype float32|bfloat16] [--threads 2] [--rounds 3]
+  python benchmarks/roofline.py [--model DIR] [--size 60m|350m] [--dtype float32|bfloat16] [--threads 2] [--rounds 5]
                                 [--json]
 """
 
@@ -95,6 +98,42 @@ def probe_roofline(peak: dict[str, float], dtype: str) -> float:
     now = dict(peak)
     now[dtype] = bf16_matmul_flops() if dtype == "bfloat16" else matmul_flops(torch.float32)
     return compute_roofline(now, dtype)
+
+
+STEADY = 0.85  # a prefill is steady where the lower of its two probes is at least this share of the higher
+
+
+def prefill_rounds(runs: dict, probe, rounds: int, flops: float, tokens: int) -> list[dict]:
+    """``rounds`` rounds of every ``runs`` entry (name -> a prefill's seconds), a ``probe()`` of the peak FLOP/s
+    before the first and after each prefill: per prefill ``{name}_tok_s``, ``{name}_of_peak`` (against the higher
+    of the probes around it), ``{name}_roofline_gflops`` (that probe) and ``{name}_steady`` (the two agree within
+    ``STEADY``); ``roofline_gflops``: the round's highest probe."""
+    out = []
+    last = probe()
+    for _ in range(max(1, rounds)):
+        one = {}
+        for name, run in runs.items():
+            t = run()
+            now = probe()
+            roof = max(last, now)
+            one[f"{name}_tok_s"] = tokens / t
+            one[f"{name}_of_peak"] = flops / t / roof
+            one[f"{name}_roofline_gflops"] = roof / 1e9
+            one[f"{name}_steady"] = min(last, now) >= STEADY * roof
+            last = now
+        one["roofline_gflops"] = max(v for k, v in one.items() if k.endswith("_roofline_gflops"))
+        out.append(one)
+    return out
+
+
+def median_prefill(rounds: list[dict], name: str) -> dict:
+    """System ``name``'s figures from its median prefill by fraction of the peak, among its steady ones (all of
+    them where none was steady): ``{name}_tok_s``, ``{name}_of_peak``, ``{name}_roofline_gflops``,
+    ``{name}_steady_rounds`` (how many were steady)."""
+    steady = [r for r in rounds if r[f"{name}_steady"]]
+    pick = sorted(steady or rounds, key=lambda r: r[f"{name}_of_peak"])[len(steady or rounds) // 2]
+    keys = (f"{name}_tok_s", f"{name}_of_peak", f"{name}_roofline_gflops")
+    return {**{k: pick[k] for k in keys}, f"{name}_steady_rounds": len(steady)}
 
 
 def compute_roofline(peak: dict[str, float], dtype: str) -> float:
@@ -192,7 +231,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=2048, help="prefill prompt tokens")
     ap.add_argument("--decode-prompt-len", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3, help="prefill rounds, each between two probes of the peak")
+    ap.add_argument("--rounds", type=int, default=5, help="prefill rounds, each prefill between two probes of the peak")
     ap.add_argument("--no-hf", action="store_true", help="skip stock transformers' figures")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -239,22 +278,13 @@ def main() -> int:
         runs["prefill_worker"] = lambda: engine_prefill_s(worker, prompt)
     if hf is not None:
         runs["hf_prefill"] = lambda: hf_prefill_s(hf, prompt)
-    rounds = []
-    for _ in range(max(1, args.rounds)):
-        before = probe_roofline(peak, dtype)
-        times = {name: run() for name, run in runs.items()}
-        roof = max(before, probe_roofline(peak, dtype))
-        one = {"roofline_gflops": roof / 1e9}
-        for name, t in times.items():
-            one[f"{name}_tok_s"] = args.prompt_len / t
-            one[f"{name}_of_peak"] = flops / t / roof
-        rounds.append(one)
+    rounds = prefill_rounds(runs, lambda: probe_roofline(peak, dtype), args.rounds, flops, args.prompt_len)
+    for name in runs:
+        result.update(median_prefill(rounds, name))
+    result["prefill_roofline_gflops"] = result["engine_prefill_roofline_gflops"]
+    result["prefill_rounds"] = rounds
     runs.clear()
     worker = None  # its memory back before the decode measurement
-    median = sorted(rounds, key=lambda r: r["engine_prefill_of_peak"])[len(rounds) // 2]
-    result.update(median)
-    result["prefill_roofline_gflops"] = result.pop("roofline_gflops")
-    result["prefill_rounds"] = rounds
     t, engine_tokens = engine_decode(engine, dprompt, args.decode_tokens)
     result["engine_decode_tok_s"] = steps / t
     result["engine_decode_of_roofline"] = steps / t / result["decode_roofline_tok_s"]
@@ -278,16 +308,24 @@ def main() -> int:
     roof = result["prefill_roofline_gflops"]
     widened = " (the fp32 rate: this CPU has no faster bf16 arithmetic)" if dtype != "float32" and peak[
         "float32"] >= peak[dtype] else ""  # fmt: skip
-    peaks = ", ".join(f"{r['roofline_gflops']:.0f}" for r in rounds)
-    print(f"prefill of {args.prompt_len} tokens ({flops / 1e9:.1f} GFLOP), the median of {len(rounds)} rounds, each "
-          f"against the peak probed around it (roofline {roof:.0f} GFLOP/s{widened}; the rounds' {peaks}):")
-    print(f"  engine {result['engine_prefill_tok_s']:8.0f} tok/s  {result['engine_prefill_of_peak']:6.1%} of peak")
+    print(f"prefill of {args.prompt_len} tokens ({flops / 1e9:.1f} GFLOP): each system's median prefill of "
+          f"{len(rounds)} rounds among its steady ones (probes before and after within {1 - STEADY:.0%}), each "
+          f"against the peak probed around it (engine's: {roof:.0f} GFLOP/s{widened}):")
+
+    def line(label: str, name: str, note: str = "") -> None:
+        steady = result[f"{name}_steady_rounds"]
+        print(f"  {label} {result[f'{name}_tok_s']:8.0f} tok/s  {result[f'{name}_of_peak']:6.1%} of "
+              f"{result[f'{name}_roofline_gflops']:.0f}  ({steady} of {len(rounds)} steady"
+              f"{'; none: the median of all' if not steady else ''}){note}")
+
+    line("engine", "engine_prefill")
     if "prefill_worker_tok_s" in result:
-        print(f"  engine {result['prefill_worker_tok_s']:8.0f} tok/s  {result['prefill_worker_of_peak']:6.1%} of peak"
-              "   (a prefill worker's weight layout: --weight-layout prefill)")
+        line("engine", "prefill_worker", "   (a prefill worker's weight layout: --weight-layout prefill)")
     if hf is not None:
-        print(f"  HF     {result['hf_prefill_tok_s']:8.0f} tok/s  {result['hf_prefill_of_peak']:6.1%} of peak")
-    print("  engine, of its round's peak: " + ", ".join(f"{r['engine_prefill_of_peak']:.1%}" for r in rounds))
+        line("HF    ", "hf_prefill")
+    print("  engine, each round (of its own peak; * steady): " + ", ".join(
+        f"{r['engine_prefill_of_peak']:.1%} of {r['engine_prefill_roofline_gflops']:.0f}"
+        f"{'*' if r['engine_prefill_steady'] else ''}" for r in rounds))
     print(f"single-stream decode, context {args.decode_prompt_len}..{args.decode_prompt_len + args.decode_tokens} "
           f"({step_bytes / 1e6:.0f} MB a step; roofline {result['decode_roofline_tok_s']:.0f} tok/s):")
     print(f"  engine {result['engine_decode_tok_s']:8.1f} tok/s  "
