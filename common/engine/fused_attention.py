@@ -84,7 +84,7 @@ def fuse_rope_attention(model: torch.nn.Module) -> int:
             if fitting is None:
                 continue
             fused, heads = fitting
-            dtype = fused.linear.weight.dtype
+            dtype = fused.linear.dtype
             key = f"{type(child).__module__}:{dtype}:{heads}"
             if key not in checked:
                 checked[key] = _kernel_matches(sys.modules[type(child).__module__], dtype, *heads)

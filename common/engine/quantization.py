@@ -4,10 +4,13 @@ Methods (:data:`QUANTIZATION_METHODS`, the values of ``--quantization``):
 
 - ``none``: the model is left as loaded.
 - ``int8-weight-only``: torchao's ``Int8WeightOnlyConfig``: each weight row (output feature) becomes int8 with
-  one scale (symmetric, per row); activations, the KV cache and the logits stay in the model's dtype. A matmul
-  casts the int8 weight to the activation dtype and scales the product (torchao's eager kernel), so weights take
-  ~1/4 of their fp32 bytes (~1/2 of bf16) while the CPU decodes at about half the speed of fp32's packed oneDNN
-  matmuls (docs/benchmarks.md): it saves memory, not time.
+  one scale (symmetric, per row); activations, the KV cache and the logits stay in the model's dtype. Weights take
+  ~1/4 of their fp32 bytes (~1/2 of bf16). torchao's eager product casts the int8 weight to the activation dtype
+  at every call and scales the result. On the CPU the engine then takes the int8 layers into its own layout
+  (:class:`~common.engine.cpu_linear.PackedLinear`, ``int8_rows``: fused q|k|v and gate|up, the engine's fused
+  modules), where bf16 products of a few rows run ATen's int8 weight-only kernel (``torch._weight_int8pack_mm``)
+  and the others torchao's form: a bf16 stream decodes about as fast as bf16 itself, batches of streams and fp32
+  models stay slower than full precision (docs/benchmarks.md): int8 saves memory first.
 
 What is quantized: every ``nn.Linear`` whose weight belongs to it alone: the attention and MLP projections,
 and the LM head when it is not tied. A weight shared with another module (an LM head tied to the input
@@ -85,7 +88,7 @@ def quantize_model(model: torch.nn.Module, method: str) -> list[str]:
         if param.device.type == "cpu" and type(param.data) is torch.Tensor:
             param.data = param.data.clone()  # off the checkpoint's mmap (module docstring); ties keep the Parameter
     if next(model.parameters()).device.type == "cpu":
-        _trim_heap()
+        trim_heap()
     log.info("%s: %d linear layers quantized, weights %.1f MiB -> %.1f MiB; kept (weight shared): %s",
              method, len(targets), before_bytes / 2**20, weight_bytes(model) / 2**20, kept or "none")
     return targets
@@ -104,7 +107,7 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.nbytes
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give the free pages of glibc's heap back to the kernel (a no-op elsewhere)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.engine.config import EngineConfig
-from common.engine.cpu_linear import PackedLinear, pack_linear_layers
+from common.engine.cpu_linear import INT8_PACK_ROWS, PackedLinear, pack_linear_layers
 from common.engine.engine import LLMEngine
 from common.engine.identity import ModelIdentity
 from common.engine.loader import load_model
@@ -108,13 +108,40 @@ def test_a_tied_lm_head_stays_tied_and_full_precision():
     assert torch.allclose(after, before, atol=0.05)
 
 
-def test_packing_takes_only_the_full_precision_layers(caplog):
+def test_packing_keeps_an_int8_layer_int8(caplog):
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
     quantize_model(model[:1], INT8)
     with caplog.at_level("WARNING", logger="common.engine.cpu_linear"):
-        assert pack_linear_layers(model) == 1
-    assert type(model[0]) is torch.nn.Linear and type(model[1]) is PackedLinear
+        assert pack_linear_layers(model) == 2
+    assert [m.layout for m in model] == ["int8_rows", "onednn"]
+    assert model[0].weight.dtype == torch.int8 and model[0].dtype == torch.float32
     assert caplog.records == []  # no failed attempt on the int8 layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_layer_computes_what_torchao_does(dtype):
+    """bf16 products of up to INT8_PACK_ROWS rows (ATen's int8 weight-only kernel) within a rounding of torchao's,
+    larger ones exactly torchao's; fp32 ones (oneDNN) within summation order of torchao's; sibling layers fused into
+    one product give each layer's columns."""
+    layers = [torch.nn.Linear(96, n, bias=True, dtype=dtype) for n in (48, 16, 16)]
+    stock = torch.nn.ModuleList(layers)
+    quantize_model(stock, INT8)
+    packed = [PackedLinear(m) for m in stock]
+    fused = PackedLinear.concatenated(list(stock))
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 3, INT8_PACK_ROWS, INT8_PACK_ROWS + 1, 40):
+            x = torch.randn(rows, 96, generator=g).to(dtype)
+            want = [torch.nn.functional.linear(x, m.weight, m.bias) for m in stock]
+            got = [p(x) for p in packed]
+            together = fused(x).split([48, 16, 16], dim=-1)
+            for w, a, b in zip(want, got, together):
+                if dtype == torch.float32:
+                    assert torch.allclose(a, w, rtol=1e-5, atol=1e-5) and torch.allclose(b, w, rtol=1e-5, atol=1e-5)
+                elif rows > INT8_PACK_ROWS:
+                    assert torch.equal(a, w) and torch.equal(b, w), rows
+                else:
+                    assert torch.allclose(a.float(), w.float(), rtol=0.02, atol=0.02) and torch.equal(a, b), rows
 
 
 def test_a_weight_of_another_tensor_type_is_refused_before_anything_changes():
@@ -131,12 +158,37 @@ def test_a_weight_of_another_tensor_type_is_refused_before_anything_changes():
 @pytest.mark.slow
 def test_int8_engine_generates_what_stock_generate_does_on_the_int8_model(engines, model_dir):
     engine = engines[INT8]
-    assert not any(isinstance(m, PackedLinear) for m in engine.loaded.model.modules())  # quantized: not packed
+    packed = [m for m in engine.loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and {m.layout for m in packed} == {"int8_rows"}  # q|k|v and gate|up fused, the LM head too
     reference = load_model(model_dir, quantization=INT8).model  # stock attention, same int8 weights
     prompts = _prompts(engine.vocab_size, 4)
     results = engine.generate(prompts, GREEDY)
     for prompt, result in zip(prompts, results):
         assert result.token_ids == hf_greedy(reference, prompt, GREEDY.max_new_tokens)
+
+
+@pytest.mark.slow
+def test_bf16_int8_engine_stays_within_bf16_rounding_of_stock_on_the_int8_model(model_dir):
+    """In bf16, decode steps of one and of several sequences (ATen's int8 kernel at up to INT8_PACK_ROWS rows,
+    torchao's product above) against stock bf16 over the same int8 weights (torchao's product everywhere)."""
+    engine = LLMEngine(load_model(model_dir, dtype="bfloat16", quantization=INT8), EngineConfig(num_kv_blocks=200))
+    assert {m.layout for m in engine.loaded.model.modules() if isinstance(m, PackedLinear)} == {"int8_rows"}
+    reference = load_model(model_dir, dtype="bfloat16", quantization=INT8).model
+    for n in (1, INT8_PACK_ROWS + 2):
+        for p in _prompts(engine.vocab_size, n, seed=n):
+            engine.add_request(p, GREEDY.replace(max_new_tokens=6))
+        for _ in range(3):  # the prefill step, then decode steps
+            engine.step()
+        scheduled = engine.scheduler.schedule().scheduled
+        assert len(scheduled) == n and all(k == 1 for _, k in scheduled)
+        batch = engine.runner.prepare(scheduled)
+        logits = engine.runner.run(batch)
+        with torch.no_grad():
+            for row, request in zip(logits, batch.sampling_requests):
+                stock = reference(torch.tensor([request.all_token_ids])).logits[0, -1].float()
+                assert (row - stock).abs().max().item() < 0.15
+        for request, _ in scheduled:
+            engine.abort(request.request_id)
 
 
 @pytest.mark.slow
