@@ -131,7 +131,8 @@ def median_prefill(rounds: list[dict], name: str) -> dict:
     them where none was steady): ``{name}_tok_s``, ``{name}_of_peak``, ``{name}_roofline_gflops``,
     ``{name}_steady_rounds`` (how many were steady)."""
     steady = [r for r in rounds if r[f"{name}_steady"]]
-    pick = sorted(steady or rounds, key=lambda r: r[f"{name}_of_peak"])[len(steady or rounds) // 2]
+    pool = sorted(steady or rounds, key=lambda r: r[f"{name}_of_peak"])
+    pick = pool[len(pool) // 2]
     keys = (f"{name}_tok_s", f"{name}_of_peak", f"{name}_roofline_gflops")
     return {**{k: pick[k] for k in keys}, f"{name}_steady_rounds": len(steady)}
 

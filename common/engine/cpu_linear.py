@@ -111,13 +111,13 @@ class PackedLinear(torch.nn.Module):
     def concatenated(cls, linears: list[torch.nn.Linear], kernel: bool = False, prefill: bool = False) -> PackedLinear:
         """One packed layer whose output is the outputs of ``linears`` side by side."""
         if all(_int8_rows(m) for m in linears):
-            fused = cls(linears[0], kernel=kernel, prefill=prefill)
             parts = [cls(m) for m in linears]
-            fused.out_features = sum(m.out_features for m in linears)
-            fused.weight = torch.nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
-            fused.scale = torch.cat([p.scale for p in parts])
-            if fused.bias is not None:
-                fused.bias = torch.nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+            weight, scale = torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts])
+            bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+            fused = parts[0]
+            fused.out_features = weight.shape[0]
+            fused.weight, fused.scale = torch.nn.Parameter(weight, requires_grad=False), scale
+            fused.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
             return fused
         cat = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                               bias=linears[0].bias is not None, device="meta")  # fmt: skip
