@@ -1,4 +1,5 @@
-"""int8 weight-only quantization (``--quantization int8-weight-only``) against full precision, in one run.
+"""int8 quantization (``--quantization int8-weight-only``, or ``int8-dynamic``: W8A8) against full precision, in
+one run.
 
 On the ~60M Llama (hidden 512, 8 layers, fp32; --size 350m: the ~0.35B one), each variant (the model in --dtype;
 the same with its linear layers int8) is measured in a fresh process of its own, so its RSS is its own:
@@ -15,7 +16,8 @@ after each of --agree-prompts random prompts; both models (stock attention) scor
 position agrees when the int8 model's argmax is the full-precision model's, so one divergence does not cascade.
 
   python benchmarks/quantization.py [--model DIR | --size 60m|350m] [--dtype float32|bfloat16] [--threads 2]
-      [--decode-tokens 64] [--agree-prompts 8] [--agree-tokens 64] [--rounds 1] [--json]
+      [--quantization int8-weight-only|int8-dynamic] [--decode-tokens 64] [--agree-prompts 8]
+      [--agree-tokens 64] [--rounds 1] [--json]
 """
 
 from __future__ import annotations
@@ -40,10 +42,9 @@ from bench_models import model_dir  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
 from common.engine.loader import load_model  # noqa: E402
-from common.engine.quantization import weight_bytes  # noqa: E402
+from common.engine.quantization import QUANTIZATION_METHODS, weight_bytes  # noqa: E402
 from common.engine.sampling_params import SamplingParams  # noqa: E402
 
-VARIANTS = ("none", "int8-weight-only")
 PREFILL_LEN = 512
 DECODE_PROMPT_LEN = 128
 MIB = 2**20
@@ -129,7 +130,8 @@ def agreement(args: argparse.Namespace) -> dict:
     engine = LLMEngine(full, EngineConfig(num_kv_blocks=blocks, max_model_len=1024, num_threads=args.threads))
     prompts = random_prompts(args.agree_prompts, 64, engine.vocab_size, seed=20)
     outs = engine.generate(prompts, greedy(args.agree_tokens))
-    models = [load_model(args.model, dtype=args.dtype, quantization=q).model for q in VARIANTS]  # stock attention
+    models = [load_model(args.model, dtype=args.dtype, quantization=q).model  # stock attention
+              for q in ("none", args.quantization)]
     n = args.agree_tokens
     agree = self_agree = 0
     with torch.inference_mode():
@@ -148,11 +150,13 @@ def main() -> int:
     ap.add_argument("--size", default="60m", choices=("60m", "350m"), help="preset of the default model")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16: the full-precision variant's dtype")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default="int8-weight-only", choices=QUANTIZATION_METHODS[1:],
+                    help="the int8 variant measured against full precision")
     ap.add_argument("--decode-tokens", type=int, default=64, help="new tokens per decode stream")
     ap.add_argument("--agree-prompts", type=int, default=8)
     ap.add_argument("--agree-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1, help="alternate the variants' processes this often, keep the best")
-    ap.add_argument("--variant", choices=VARIANTS, default=None,
+    ap.add_argument("--variant", choices=QUANTIZATION_METHODS, default=None,
                     help="measure this variant only and print its JSON (what the run does in each subprocess)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -163,22 +167,24 @@ def main() -> int:
         return 0
     forwarded = ["--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads),
                  "--decode-tokens", str(args.decode_tokens)]
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    variants = ("none", args.quantization)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(args.rounds):
-        for variant in VARIANTS:
+        for variant in variants:
             proc = subprocess.run([sys.executable, __file__, *forwarded, "--variant", variant], check=True,
                                   stdout=subprocess.PIPE, text=True)
             runs[variant].append(json.loads(proc.stdout.splitlines()[-1]))
-    rows = [best(runs[v]) for v in VARIANTS]
+    rows = [best(runs[v]) for v in variants]
     agree = agreement(args)
     full, quant = rows
     ratios = {k: quant[k] / full[k] for k in full if k != "quantization"}
     if args.json:
         print(json.dumps({"machine": platform.machine(), "threads": args.threads, "torch": torch.__version__,
-                          "model": args.model, "dtype": args.dtype, "rows": rows, "int8_over_full": ratios,
+                          "model": args.model, "dtype": args.dtype, "quantization": args.quantization, "rows": rows,
+                          "int8_over_full": ratios,
                           **agree}))
         return 0
-    print(f"{args.model}, {args.dtype}, {args.threads} threads, torch {torch.__version__}")
+    print(f"{args.model}, {args.dtype}, int8: {args.quantization}, {args.threads} threads, torch {torch.__version__}")
     print(f"{'':26s} {'full':>9s} {'int8':>9s} {'int8/full':>9s}")
     figures = (("weight_bytes", "weight MiB", MIB), ("rss_start_bytes", "RSS before loading MiB", MIB),
                ("rss_built_bytes", "RSS, engine built MiB", MIB), ("rss_peak_bytes", "peak RSS MiB", MIB),

@@ -38,6 +38,8 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # streams 78 vs 105 ms, 16: 117 vs 134, 32: 256 vs 170 (oneDNN there: 201; a 512-token prefill 911 vs 923 ms, no
 # gain); 60M fp32 by oneDNN, 1 stream 30 vs 37 ms, 16: 40 vs 55, 64: 84 vs 118, a 512-token prefill 207 vs 239 ms.
 INT8_PACK_ROWS = 16
+# torchao's floor for a dynamic activation scale (choose_qparams_affine's eps: fp32's, whatever the input dtype)
+_INT8_EPS = torch.finfo(torch.float32).eps
 
 
 # sibling projections of one block that read the same input, in the order the models call them
@@ -50,7 +52,7 @@ _SILUS = frozenset({"SiLUActivation", "SiLU"})
 
 
 class PackedLinear(torch.nn.Module):
-    """A linear layer over a pre-packed weight, in one of five layouts (``layout``), chosen once at packing:
+    """A linear layer over a pre-packed weight, in one of six layouts (``layout``), chosen once at packing:
 
     - ``"bf16_pairs"``: a bf16 weight on an x86 CPU without AMX, with ``kernel``: the engine's pair packing for
       ``torch.ops.pdserve.bf16_linear``. With AVX512-BF16 faster than oneDNN at one row and as fast at 16 to 512
@@ -73,8 +75,13 @@ class PackedLinear(torch.nn.Module):
       computes them, fp32 ones by oneDNN over the weight widened at each call. As PackedLinears an int8 model's
       projections fuse as a full-precision model's do (q|k|v, gate|up: per-row scales concatenate exactly), and
       its layers run in the engine's fused modules and flat layer loop.
+    - ``"int8_dynamic"``: the same int8 weight with dynamic per-token quantization of the inputs
+      (``--quantization int8-dynamic``, W8A8): each input row rounded to int8 on its own scale, the products
+      summed in int32 and scaled back as torchao does, bit for bit. The sums come from oneDNN's quantized linear
+      over its own packing of the weight (``onednn_u8``, where it computes them exactly: :func:`_onednn_u8s8`),
+      else from ``torch._int_mm``. Fuses as ``int8_rows`` does.
 
-    ``dtype`` is the dtype of the layer's inputs and outputs (``weight`` is int8 in the last layout).
+    ``dtype`` is the dtype of the layer's inputs and outputs (``weight`` is int8 in the int8 layouts).
     """
 
     def __init__(self, linear: torch.nn.Linear, kernel: bool = False, prefill: bool = False) -> None:
@@ -82,11 +89,9 @@ class PackedLinear(torch.nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.dtype = linear.weight.dtype
-        if _int8_rows(linear):
-            self.layout = "int8_rows"
-            self.weight = torch.nn.Parameter(linear.weight.qdata.detach().contiguous(), requires_grad=False)
-            self.register_buffer("scale", linear.weight.scale.detach().reshape(-1).to(self.dtype).contiguous())
-            self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        int8 = _int8_layout(linear)
+        if int8 is not None:
+            self._set_int8(int8, [linear])
             return
         weight = linear.weight.detach()
         self.layout = _own_layout(weight, prefill) if kernel else "onednn"
@@ -102,6 +107,24 @@ class PackedLinear(torch.nn.Module):
             bias = bias.float()
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
+    def _set_int8(self, layout: str, linears: list[torch.nn.Linear]) -> None:
+        """Take the int8 values, scales and biases of ``linears`` (torchao's, one layout), side by side."""
+        self.layout = layout
+        qdata = torch.cat([m.weight.qdata.detach() for m in linears]).contiguous()
+        scale = torch.cat([m.weight.scale.detach().reshape(-1) for m in linears])
+        self.out_features = qdata.shape[0]
+        # weight-only: torchao scales in the activation dtype; dynamic: in its own (fp32), as it multiplies
+        self.register_buffer("scale", (scale.to(self.dtype) if layout == "int8_rows" else scale).contiguous())
+        bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        packed = _onednn_u8s8(qdata) if layout == "int8_dynamic" else None
+        self.onednn_u8 = packed is not None
+        if packed is not None:  # oneDNN's own layout of the weight for its u8s8 product
+            qdata = packed
+            self.register_buffer("_ones", torch.ones(self.out_features))
+            self.register_buffer("_zeros", torch.zeros(self.out_features, dtype=torch.int32))
+        self.weight = torch.nn.Parameter(qdata, requires_grad=False)
+
     @property
     def own(self) -> bool:
         """Whether the engine's own kernel runs this layer (not oneDNN)."""
@@ -110,14 +133,12 @@ class PackedLinear(torch.nn.Module):
     @classmethod
     def concatenated(cls, linears: list[torch.nn.Linear], kernel: bool = False, prefill: bool = False) -> PackedLinear:
         """One packed layer whose output is the outputs of ``linears`` side by side."""
-        if all(_int8_rows(m) for m in linears):
-            parts = [cls(m) for m in linears]
-            weight, scale = torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts])
-            bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
-            fused = parts[0]
-            fused.out_features = weight.shape[0]
-            fused.weight, fused.scale = torch.nn.Parameter(weight, requires_grad=False), scale
-            fused.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        int8 = {_int8_layout(m) for m in linears}
+        if len(int8) == 1 and None not in int8:  # per-row scales concatenate exactly
+            fused = cls.__new__(cls)
+            torch.nn.Module.__init__(fused)
+            fused.in_features, fused.dtype = linears[0].in_features, linears[0].weight.dtype
+            fused._set_int8(int8.pop(), linears)
             return fused
         cat = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                               bias=linears[0].bias is not None, device="meta")  # fmt: skip
@@ -136,6 +157,8 @@ class PackedLinear(torch.nn.Module):
             return torch.ops.pdserve.fp32_linear(x, self.weight, self.bias, self.out_features)
         if self.layout == "int8_rows":
             return self._int8_forward(x)
+        if self.layout == "int8_dynamic":
+            return self._int8_dynamic_forward(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
 
     def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,6 +172,26 @@ class PackedLinear(torch.nn.Module):
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _int8_dynamic_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torchao's product for Int8DynamicActivationInt8WeightConfig, op for op where rounding happens (its
+        # choose_qparams_affine / quantize_affine of each row, then int_scaled_matmul; tests compare bit for bit).
+        # The int32 sums are exact whichever int8 GEMM computes them. Rows: one token each, quantized on its own.
+        rows = x.reshape(-1, self.in_features)
+        x_scale = (rows.abs().amax(dim=1, keepdim=True) / 127.5).clamp(min=_INT8_EPS).float()
+        q = torch.round(rows * (1.0 / x_scale)).clamp_(-128, 127).to(torch.int8)
+        if self.onednn_u8:  # q + 128 as uint8 (a flip of the sign bit) against a zero point of 128
+            y = _qlinear_sums(q.view(torch.uint8).bitwise_xor_(128), self.weight, self._ones, self._zeros)
+            y.mul_(x_scale)
+        else:
+            y = torch._int_mm(q, self.weight.t()) * x_scale  # int32 * fp32: fp32
+        if x.dtype != torch.float32:
+            y.copy_(y.to(x.dtype))  # torchao rounds to the input dtype before the weight scale (in fp32)
+        y.mul_(self.scale)
+        if self.bias is not None:
+            y.add_(self.bias)
+        # in place throughout: fresh (M, N) buffers cost more than the arithmetic at prompt sizes
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -216,6 +259,27 @@ class LinearSlice(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fused[0].part(self.index, x)
+
+    def _int8_dynamic_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torchao's product for Int8DynamicActivationInt8WeightConfig, op for op where rounding happens (its
+        # choose_qparams_affine / quantize_affine of each row, then int_scaled_matmul; tests compare bit for bit),
+        # with torch._int_mm straight on the int8 rows: the int32 products are exact, so its unsigned-input path
+        # for VNNI CPUs (int_scaled_matmul) gives the same sums. Rows: one token each, quantized on its own.
+        rows = x.reshape(-1, self.in_features)
+        x_scale = (rows.abs().amax(dim=1, keepdim=True) / 127.5).clamp(min=_INT8_EPS).float()
+        q = torch.round(rows * (1.0 / x_scale)).clamp_(-128, 127)
+        if self.onednn_u8:  # the rows shifted to uint8 against a zero point of 128: oneDNN returns the sums in fp32
+            sums = _qlinear_sums(q.add_(128).to(torch.uint8), self.weight, self._ones, self._zeros)
+            y = sums.mul_(x_scale)
+        else:
+            y = torch._int_mm(q.to(torch.int8), self.weight.t()) * x_scale  # int32 * fp32: fp32
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        if self.bias is None:
+            y.mul_(self.scale)  # computed in fp32, rounded once to x's dtype, as torchao's (y * scale).to(dtype)
+        else:
+            y = torch.add(y * self.scale, self.bias, out=torch.empty_like(y))
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, part={self.index}"
@@ -309,7 +373,8 @@ def _fuse_siblings(model: torch.nn.Module, kernel: bool = False, prefill: bool =
             layers = [getattr(parent, n, None) for n in names]
             if not all(type(m) is torch.nn.Linear for m in layers):
                 continue
-            if not (all(_plain(m) for m in layers) or all(_int8_rows(m) for m in layers)):
+            int8 = {_int8_layout(m) for m in layers}
+            if not (all(_plain(m) for m in layers) or (len(int8) == 1 and None not in int8)):
                 continue
             first = layers[0]
             if any(m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
@@ -338,21 +403,63 @@ def _fuse_siblings(model: torch.nn.Module, kernel: bool = False, prefill: bool =
 
 def _plain(linear: torch.nn.Linear) -> bool:
     # A torchao quantized weight (a tensor subclass, common/engine/quantization.py) reports the full-precision
-    # dtype but has no oneDNN reorder (each layer would fail and warn): see _int8_rows.
+    # dtype but has no oneDNN reorder (each layer would fail and warn): see _int8_layout.
     return type(linear.weight) is torch.nn.Parameter and type(linear.weight.data) is torch.Tensor
 
 
-def _int8_rows(linear: torch.nn.Linear) -> bool:
-    """Whether ``linear``'s weight is torchao's weight-only int8 with one symmetric scale per output feature
-    (``Int8WeightOnlyConfig``'s per-row default), on the CPU, for fp32 or bf16 inputs: the ``int8_rows`` layout."""
+def _int8_layout(linear: torch.nn.Linear) -> str | None:
+    """The int8 layout for ``linear``'s weight, or ``None``: ``"int8_rows"`` for torchao's weight-only int8 with
+    one symmetric scale per output feature (``Int8WeightOnlyConfig``'s per-row default), ``"int8_dynamic"`` for
+    the same weight with symmetric per-row dynamic quantization of the activations at the full int8 range
+    (``Int8DynamicActivationInt8WeightConfig``'s defaults); on the CPU, for fp32 or bf16 inputs."""
     w = linear.weight
     q, scale, zero = getattr(w, "qdata", None), getattr(w, "scale", None), getattr(w, "zero_point", None)
-    return (type(w).__name__ == "Int8Tensor" and isinstance(q, torch.Tensor) and q.dtype == torch.int8
+    if not (type(w).__name__ == "Int8Tensor" and isinstance(q, torch.Tensor) and q.dtype == torch.int8
             and q.dim() == 2 and q.device.type == "cpu" and w.dtype in _PACKABLE_DTYPES
-            and list(getattr(w, "block_size", ())) == [1, q.shape[1]]
-            and getattr(w, "act_quant_kwargs", None) is None and getattr(w, "act_pre_scale", None) is None
+            and list(getattr(w, "block_size", ())) == [1, q.shape[1]] and getattr(w, "act_pre_scale", None) is None
+            and not getattr(w, "reduce_range", False)
             and isinstance(scale, torch.Tensor) and scale.numel() == q.shape[0]
-            and (zero is None or not bool(zero.any())))  # fmt: skip
+            and (zero is None or not bool(zero.any()))):  # fmt: skip
+        return None
+    act = getattr(w, "act_quant_kwargs", None)
+    if act is None:
+        return "int8_rows"
+    granularity = getattr(act, "granularity", None)
+    if (type(act).__name__ == "QuantizeTensorToInt8Kwargs" and type(granularity).__name__ == "PerRow"
+            and getattr(granularity, "dim", -1) == -1 and getattr(act.mapping_type, "name", "") == "SYMMETRIC"
+            and not getattr(act, "reduce_range", False)
+            and getattr(w, "act_quant_scale", None) is None):  # fmt: skip  (a static scale: another scheme)
+        return "int8_dynamic"
+    return None
+
+
+def _qlinear_sums(rows_u8: torch.Tensor, packed: torch.Tensor, ones: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The int32 sums of (rows_u8 - 128) times the int8 weight, as fp32 (scales of 1: each sum converted once)."""
+    return torch.ops.onednn.qlinear_pointwise(rows_u8, 1.0, 128, packed, ones, zeros, None, 1.0, 0, torch.float32,
+                                              "none", [], "")  # fmt: skip
+
+
+def _onednn_u8s8(qdata: torch.Tensor) -> torch.Tensor | None:
+    """``qdata`` packed for oneDNN's quantized linear (``torch.ops.onednn.qlinear_pointwise``: unsigned int8 inputs
+    with a zero point, the weight in oneDNN's own layout), or ``None`` where that product does not give
+    ``torch._int_mm``'s sums exactly: checked on rows at the int8 range's ends, where a CPU without VNNI (16-bit
+    pair sums that saturate) would differ. Its signed-input form runs a reference loop (over 100x slower);
+    ``torch._int_mm`` converts the plain weight at each call. On a Zen 4 VM (2 threads), rows x 1024 x 5632: 1 row
+    0.23 ms (``_int_mm`` 0.28), 16: 0.39 (0.56), 64: 1.03 (1.23), 128: 2.1 (2.15); the engine's bf16 kernel
+    0.25, 0.59, 1.84, 3.5."""
+    if not hasattr(torch.ops.onednn, "qlinear_prepack") or not torch.backends.mkldnn.is_available():
+        return None
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 2, (8, qdata.shape[1]), generator=g, dtype=torch.int32).mul_(254).sub_(127)  # +-127
+    rows[:, ::3] = -128
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(qdata, None)
+        n = qdata.shape[0]
+        sums = _qlinear_sums(rows.add(128).to(torch.uint8), packed, torch.ones(n), torch.zeros(n, dtype=torch.int32))
+    except RuntimeError as exc:
+        log.info("int8 products by torch._int_mm: oneDNN's quantized linear failed (%s)", exc)
+        return None
+    return packed if torch.equal(sums, torch._int_mm(rows.to(torch.int8), qdata.t()).float()) else None
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -374,7 +481,7 @@ def pack_linear_layers(model: torch.nn.Module, kernel: bool = False, prefill: bo
         for name, child in parent.named_children():
             if type(child) is not torch.nn.Linear:
                 continue
-            if (_plain(child) or _int8_rows(child)) and packing_supported(child.weight.dtype, child.weight.device):
+            if (_plain(child) or _int8_layout(child)) and packing_supported(child.weight.dtype, child.weight.device):
                 swaps.append((parent, name, child))
     done = 0
     for parent, name, child in swaps:

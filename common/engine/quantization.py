@@ -1,4 +1,4 @@
-"""Weight-only quantization of a loaded model's linear layers, through torchao (the ``quant`` extra).
+"""int8 quantization of a loaded model's linear layers, through torchao (the ``quant`` extra).
 
 Methods (:data:`QUANTIZATION_METHODS`, the values of ``--quantization``):
 
@@ -11,6 +11,14 @@ Methods (:data:`QUANTIZATION_METHODS`, the values of ``--quantization``):
   modules), where bf16 products of a few rows run ATen's int8 weight-only kernel (``torch._weight_int8pack_mm``)
   and the others torchao's form: a bf16 stream decodes about as fast as bf16 itself, batches of streams and fp32
   models stay slower than full precision (docs/benchmarks.md): int8 saves memory first.
+- ``int8-dynamic``: torchao's ``Int8DynamicActivationInt8WeightConfig`` (W8A8): the weights as above, and at each
+  product every input row (token) quantized to int8 with its own symmetric scale, the product computed in int32
+  and scaled back to the model's dtype. The KV cache and the logits stay in the model's dtype. Each token's
+  result depends on its own row alone, so a request's output does not change with the batch it runs in. On the
+  CPU the engine takes these layers into its layout ``int8_dynamic`` (``torch._int_mm``, oneDNN's int8 GEMM:
+  VNNI or AMX), where the products of batches and of prompts run faster than in full precision; activations
+  rounded to 8 bits cost agreement with the full-precision model beyond what weight-only int8 costs
+  (docs/benchmarks.md).
 
 What is quantized: every ``nn.Linear`` whose weight belongs to it alone: the attention and MLP projections,
 and the LM head when it is not tied. A weight shared with another module (an LM head tied to the input
@@ -40,7 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("none", "int8-weight-only")
+QUANTIZATION_METHODS = ("none", "int8-weight-only", "int8-dynamic")
 _INSTALL_HINT = "pip install 'pdserve[quant]'"
 
 
@@ -70,7 +78,7 @@ def quantize_model(model: torch.nn.Module, method: str) -> list[str]:
     check_method(method)
     if method == "none":
         return []
-    quantize_, Int8WeightOnlyConfig, TorchAOBaseTensor = _torchao(method)
+    quantize_, config, TorchAOBaseTensor = _torchao(method)
     owners = Counter(id(p) for module in model.modules() for p in module.parameters(recurse=False))
     targets, kept = [], []
     for name, module in model.named_modules():
@@ -82,8 +90,7 @@ def quantize_model(model: torch.nn.Module, method: str) -> list[str]:
         (targets if owners[id(module.weight)] == 1 else kept).append(name)
     before_bytes = weight_bytes(model)
     selected = set(targets)
-    # set_inductor_config=False: pdserve does not compile, and torchao would change torch._inductor's global config
-    quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda _m, fqn: fqn in selected)
+    quantize_(model, config, filter_fn=lambda _m, fqn: fqn in selected)
     for param in model.parameters():
         if param.device.type == "cpu" and type(param.data) is torch.Tensor:
             param.data = param.data.clone()  # off the checkpoint's mmap (module docstring); ties keep the Parameter
@@ -116,12 +123,15 @@ def trim_heap() -> None:
 
 
 def _torchao(method: str):
-    """``(quantize_, Int8WeightOnlyConfig, TorchAOBaseTensor)`` of torchao, imported on first use."""
+    """``(quantize_, config, TorchAOBaseTensor)`` of torchao for ``method``, imported on first use."""
     try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
         from torchao.utils import TorchAOBaseTensor
     except ImportError as exc:
         raise QuantizationError(f"quantization {method!r} needs torchao, which is not installed ({exc}): "
                                 f"{_INSTALL_HINT}") from exc
-    return quantize_, Int8WeightOnlyConfig, TorchAOBaseTensor
+    # set_inductor_config=False: pdserve does not compile, and torchao would change torch._inductor's global config;
+    # the dynamic config's defaults: a symmetric scale per weight row and per input row (PerRow), full int8 range
+    config = (Int8DynamicActivationInt8WeightConfig if method == "int8-dynamic" else Int8WeightOnlyConfig)
+    return quantize_, config(set_inductor_config=False), TorchAOBaseTensor
 

@@ -13,8 +13,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (the checkpoint's)")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     g.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
-                   help="weight quantization of the linear layers (int8-weight-only: torchao, "
-                        "pip install 'pdserve[quant]'; default none)")
+                   help="int8 quantization of the linear layers, through torchao (pip install 'pdserve[quant]'): "
+                        "int8-weight-only, or int8-dynamic (activations too, per token: W8A8); default none")
     g.add_argument("--allow-pickle-weights", action="store_true",
                    help="load a model directory that has only pickle weights (*.bin): UNSAFE, unpickling a file "
                         "can run code at load; use only for checkpoints you trust, prefer converting to safetensors")

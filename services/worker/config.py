@@ -23,8 +23,9 @@ class WorkerConfig:
     device: str = field(default="cpu", metadata=_help("cpu | cuda | cuda:N"))
     quantization: str = field(
         default="none",
-        metadata={"help": "weight quantization of the linear layers: int8-weight-only needs torchao (pip install "
-                          "'pdserve[quant]'); prefill and decode workers must use the same",
+        metadata={"help": "int8 quantization of the linear layers: int8-weight-only or int8-dynamic (W8A8), "
+                          "both need torchao (pip install 'pdserve[quant]'); prefill and decode workers must use "
+                          "the same",
                   "choices": list(QUANTIZATION_METHODS)},
     )
     tensor_parallel_size: int = field(

@@ -1,5 +1,5 @@
 """Workers with ``--quantization``, in an in-process cluster: a mixed pair refuses to move KV, naming the
-setting; an int8 pair serves what one int8 engine generates."""
+setting; an int8 pair (weight-only, dynamic) serves what one engine of the same int8 generates."""
 
 from __future__ import annotations
 
@@ -36,12 +36,13 @@ def test_a_quantized_and_an_unquantized_worker_refuse_to_move_kv(model_dir):
 
 
 @pytest.mark.slow
-def test_an_int8_pair_serves_what_one_int8_engine_generates(model_dir):
+@pytest.mark.parametrize("method", [INT8, "int8-dynamic"])
+def test_an_int8_pair_serves_what_one_int8_engine_generates(model_dir, method):
     prompts = [[5, 6, 7, 8] * 3, [9, 10] * 40]
-    engine = LLMEngine(load_model(model_dir, quantization=INT8), EngineConfig(num_kv_blocks=200))
+    engine = LLMEngine(load_model(model_dir, quantization=method), EngineConfig(num_kv_blocks=200))
     expected = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
-    workers = {"prefill": [{"worker_id": "prefill-0", "quantization": INT8}],
-               "decode": [{"worker_id": "decode-0", "quantization": INT8}]}
+    workers = {"prefill": [{"worker_id": "prefill-0", "quantization": method}],
+               "decode": [{"worker_id": "decode-0", "quantization": method}]}
     with inprocess_cluster(model_dir, **workers) as cluster:
         with Client(cluster.router, timeout_s=60) as client:
             got = [client.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids for p in prompts]

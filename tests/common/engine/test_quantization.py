@@ -1,5 +1,6 @@
-"""int8 weight-only quantization (common/engine/quantization.py): what is replaced, the bytes saved, the weights
-freed, tied LM heads, refusals, generation through the engine, the KV identity and the flags."""
+"""int8 quantization (common/engine/quantization.py): weight-only and dynamic (W8A8): what is replaced, the bytes
+saved, the weights freed, tied LM heads, refusals, the engine's int8 layers against torchao's, generation through
+the engine, the KV identity and the flags."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.engine import cpu_linear
 from common.engine.config import EngineConfig
 from common.engine.cpu_linear import INT8_PACK_ROWS, PackedLinear, pack_linear_layers
 from common.engine.engine import LLMEngine
@@ -25,6 +27,7 @@ from pdserve.v1 import types_pb2
 from tests.conftest import hf_greedy
 
 INT8 = "int8-weight-only"
+DYN = "int8-dynamic"  # W8A8: int8 weights, activations quantized per row at each product
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -45,11 +48,11 @@ def model_dir(tiny_model_dir) -> str:
 @pytest.fixture(scope="module")
 def engines(model_dir) -> dict[str, LLMEngine]:
     return {q: LLMEngine(load_model(model_dir, quantization=q), EngineConfig(num_kv_blocks=200))
-            for q in ("none", INT8)}
+            for q in ("none", INT8, DYN)}
 
 
 def test_unknown_method_is_refused_before_the_directory_is_read(tmp_path):
-    with pytest.raises(QuantizationError, match=r"'int4'.*\['none', 'int8-weight-only'\]"):
+    with pytest.raises(QuantizationError, match=r"'int4'.*\['none', 'int8-weight-only', 'int8-dynamic'\]"):
         load_model(tmp_path / "no-such-model", quantization="int4")
 
 
@@ -144,6 +147,43 @@ def test_an_int8_layer_computes_what_torchao_does(dtype):
                     assert torch.allclose(a.float(), w.float(), rtol=0.02, atol=0.02) and torch.equal(a, b), rows
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn-u8s8", "int_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_dynamic_int8_layer_computes_what_torchao_does_bit_for_bit(dtype, onednn, monkeypatch):
+    """W8A8 layers (alone, and siblings fused into one product) against torchao's own product, for any row count,
+    with weights and inputs at the int8 range's ends (sums past 2**24; a CPU whose u8s8 pair sums saturate)."""
+    if not onednn:
+        monkeypatch.setattr(cpu_linear, "_onednn_u8s8", lambda qdata: None)
+    g = torch.Generator().manual_seed(1)
+    layers = [torch.nn.Linear(2816, n, bias=bias, dtype=dtype) for n, bias in ((48, True), (16, True), (40, True))]
+    with torch.no_grad():
+        layers[0].weight.copy_(torch.randn(48, 2816, generator=g).sign())
+    stock = torch.nn.ModuleList(layers)
+    quantize_model(stock, DYN)
+    packed = [PackedLinear(m) for m in stock]
+    fused = PackedLinear.concatenated(list(stock))
+    assert {p.layout for p in (*packed, fused)} == {"int8_dynamic"}
+    assert {p.onednn_u8 for p in (*packed, fused)} == ({True} if onednn else {False})
+    with torch.inference_mode():
+        for rows in (1, 3, 17, 64):
+            x = (torch.randn(rows, 2816, generator=g) * 4).to(dtype)
+            x[0] = x[0].sign()  # every value of the row at +-127
+            want = [torch.nn.functional.linear(x, m.weight, m.bias) for m in stock]
+            together = fused(x).split([48, 16, 40], dim=-1)
+            for w, p, t in zip(want, packed, together):
+                assert torch.equal(p(x), w) and torch.equal(t, w), rows
+            x3 = x.reshape(1, rows, 2816)  # a batch dimension: rows quantized one by one still
+            assert torch.equal(packed[1](x3)[0], want[1])
+
+
+def test_onednn_u8s8_is_used_only_where_it_computes_the_exact_sums(monkeypatch):
+    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    assert cpu_linear._onednn_u8s8(q) is not None  # VNNI or AMX CPUs, and oneDNN's exact reference elsewhere
+    real = cpu_linear._qlinear_sums
+    monkeypatch.setattr(cpu_linear, "_qlinear_sums", lambda *a: real(*a).clamp(-32768, 32767))  # 16-bit saturation
+    assert cpu_linear._onednn_u8s8(q) is None
+
+
 def test_a_weight_of_another_tensor_type_is_refused_before_anything_changes():
     class Shard(torch.Tensor):  # stands for a tensor-parallel DTensor shard
         pass
@@ -165,6 +205,29 @@ def test_int8_engine_generates_what_stock_generate_does_on_the_int8_model(engine
     results = engine.generate(prompts, GREEDY)
     for prompt, result in zip(prompts, results):
         assert result.token_ids == hf_greedy(reference, prompt, GREEDY.max_new_tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dynamic_int8_engine_is_batch_invariant_and_agrees_with_stock_generate(dtype, engines, model_dir):
+    """W8A8: exact int32 sums and one scale per token make a request's tokens independent of its batch, bit for
+    bit. Stock generate over the same model is the oracle where equality cannot be: rounding activations to 8 bits
+    turns summation-order noise into whole quantization steps (here a 1e-6 relative change of the embeddings moves
+    stock's own logits by 0.24-0.66), so stock scores the engine's greedy continuations teacher-forced and must
+    pick the engine's token at nearly every position (measured: 90/96 in fp32, 86/96 in bf16; a wiring error, a
+    wrong slice of the fused q|k|v say, leaves a few)."""
+    engine = engines[DYN] if dtype == "float32" else LLMEngine(load_model(model_dir, dtype=dtype, quantization=DYN),
+                                                               EngineConfig(num_kv_blocks=200))  # fmt: skip
+    assert {m.layout for m in engine.loaded.model.modules() if isinstance(m, PackedLinear)} == {"int8_dynamic"}
+    n = 16
+    prompts = _prompts(engine.vocab_size, 6, seed=1)
+    together = [r.token_ids for r in engine.generate(prompts, GREEDY.replace(max_new_tokens=n))]
+    assert [engine.generate([p], GREEDY.replace(max_new_tokens=n))[0].token_ids for p in prompts] == together
+    reference = load_model(model_dir, dtype=dtype, quantization=DYN).model  # stock attention, torchao's product
+    with torch.inference_mode():
+        stock = [reference(torch.tensor([p + c[:k]])).logits[0, -1].argmax().item()
+                 for p, c in zip(prompts, together) for k in range(n)]  # fmt: skip
+    assert sum(a == b for a, b in zip(stock, (t for c in together for t in c))) >= 0.85 * len(stock)
 
 
 @pytest.mark.slow
@@ -192,14 +255,15 @@ def test_bf16_int8_engine_stays_within_bf16_rounding_of_stock_on_the_int8_model(
 
 
 @pytest.mark.slow
-def test_int8_greedy_agrees_with_full_precision_on_most_positions(engines):
+@pytest.mark.parametrize("method", [INT8, DYN])
+def test_int8_greedy_agrees_with_full_precision_on_most_positions(engines, method):
     """Teacher-forced through the engines: at each position of the fp32 engine's greedy continuation, both
     engines pick the next token of the same prefix, so one divergence does not cascade.
 
     Measured on this tiny random model, whose top-1/top-2 logit gaps (median ~0.3) are small next to a trained
-    model's: 89 of 96 positions agree (93%), 93 distinct tokens.
+    model's: weight-only 89 of 96 positions agree (93%), 93 distinct tokens; dynamic (W8A8) 86 of 96 (90%).
     """
-    full, quant = engines["none"], engines[INT8]
+    full, quant = engines["none"], engines[method]
     prompts = _prompts(full.vocab_size, 6, seed=1)
     n = 16
     continuations = [r.token_ids for r in full.generate(prompts, GREEDY.replace(max_new_tokens=n))]
@@ -224,6 +288,8 @@ def test_identity_names_quantization_and_old_peers_read_as_none(engines):
     assert old.quantization == ""
     assert full.mismatches(old) == [] and old.mismatches(full) == []
     assert quant.mismatches(old) == ["quantization: 'int8-weight-only' != 'none'"]
+    dyn = ModelIdentity.of_engine(engines[DYN])
+    assert dyn.mismatches(quant) == ["quantization: 'int8-dynamic' != 'int8-weight-only'"]
 
 
 def test_worker_flag_and_environment_take_only_known_methods():
@@ -235,7 +301,9 @@ def test_worker_flag_and_environment_take_only_known_methods():
     args = parser.parse_args(["decode", "--model", "m", "--quantization", INT8])
     assert load_config(WorkerConfig, args, env={}).quantization == INT8
     assert load_config(WorkerConfig, parser.parse_args(["prefill"]), env={}).quantization == "none"
-    with pytest.raises(ValueError, match=r"'int4' is not one of \['none', 'int8-weight-only'\]"):
+    from_env = load_config(WorkerConfig, parser.parse_args(["prefill"]), env={"PDSERVE_QUANTIZATION": DYN})
+    assert from_env.quantization == DYN
+    with pytest.raises(ValueError, match=r"'int4' is not one of \['none', 'int8-weight-only', 'int8-dynamic'\]"):
         load_config(WorkerConfig, parser.parse_args(["prefill"]), env={"PDSERVE_QUANTIZATION": "int4"})
     with pytest.raises(SystemExit):
         parser.parse_args(["run", "--model", "m", "--prompt", "x", "--quantization", "int4"])
