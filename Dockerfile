@@ -52,7 +52,7 @@ RUN python3 -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}" \
         --index-url https://download.pytorch.org/whl/cu128
 COPY --from=wheel /wheels /wheels
-# extras: gpu (nvidia-ml-py: the pdserve:gpu_* gauges), quant (torchao: --quantization int8-weight-only) and nixl
+# extras: gpu (nvidia-ml-py: the pdserve:gpu_* gauges), quant (torchao: --quantization int8-weight-only, int8-dynamic) and nixl
 # (nixl-cu12, CUDA 12 like this torch: --kv-transport nixl / --kv-nixl between pools on different hosts)
 RUN /opt/venv/bin/pip install --no-cache-dir --find-links /wheels "pdserve[gpu,quant,nixl]"
 # the CPU kernels as in cpu-venv (used when a CUDA image serves on the CPU)

@@ -32,7 +32,8 @@ VALUE_SETS: dict[str, dict] = {
     "gpu": {
         "gpu": {"enabled": True, "runtimeClassName": "nvidia"},
         "image": {"repository": "registry.example/pdserve", "digest": DIGEST},
-        "model": {"path": "/models/llama-3.1-8b", "dtype": "bfloat16", "servedModelName": "llama-3.1-8b",
+        "model": {"path": "/models/llama-3.1-8b", "dtype": "bfloat16", "quantization": "int8-dynamic",
+                  "servedModelName": "llama-3.1-8b",
                   "volume": {"type": "persistentVolumeClaim", "claimName": "llama-weights"},
                   "buildTiny": {"enabled": False}},
         "prefill": {"replicas": 2, "settings": {"kv-cache-memory": 0.85, "max-num-batched-tokens": 8192}},

@@ -202,6 +202,8 @@ def test_every_checkov_skip_has_a_written_reason_and_checkov_reads_the_file():
         ({"decode": {"autoscaling": {"kvCacheUsage": {"averageValue": 70}}}}, "averageValue"),  # 0-1
         ({"router": {"grpcPort": 70000}}, "/router/grpcPort"),
         ({"model": {"volume": {"type": "nfs"}}}, "/model/volume/type"),
+        ({"model": {"quantization": "int4"}}, "/model/quantization"),
+        ({"decode": {"settings": {"quantization": "int8-dynamic"}}}, "invalid propertyName 'quantization'"),
         ({"image": {"digest": "latest"}}, "/image/digest"),
         ({"redis": {"external": {"url": "http://redis"}}}, "/redis/external/url"),
     ],

@@ -99,6 +99,7 @@ def test_gpu_values_reach_the_workers_and_not_the_router():
         c = r.container(role)
         assert c["resources"]["requests"]["nvidia.com/gpu"] == 1 == c["resources"]["limits"]["nvidia.com/gpu"]
         assert flag_value(c["args"], "--device") == "cuda" and flag_value(c["args"], "--dtype") == "bfloat16"
+        assert flag_value(c["args"], "--quantization") == "int8-dynamic"  # model.quantization: both pools alike
         assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
         assert spec["runtimeClassName"] == "nvidia"
@@ -107,6 +108,7 @@ def test_gpu_values_reach_the_workers_and_not_the_router():
     for role in WORKERS:
         c = rendered("default").container(role)
         assert "nvidia.com/gpu" not in c["resources"]["limits"] and flag_value(c["args"], "--device") == "cpu"
+        assert flag_value(c["args"], "--quantization") == "none"
 
 
 @pytest.mark.parametrize("name", ["default", "gpu"])

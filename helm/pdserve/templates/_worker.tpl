@@ -70,6 +70,7 @@ spec:
         - --config=/etc/pdserve/config/{{ $role }}.yaml
         - --model={{ $v.model.path }}
         - --dtype={{ $v.model.dtype }}
+        - --quantization={{ $v.model.quantization }}
         - --device={{ ternary "cuda" "cpu" $v.gpu.enabled }}
         - --host=0.0.0.0
         - --port={{ $w.grpcPort }}
