@@ -260,27 +260,6 @@ class LinearSlice(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fused[0].part(self.index, x)
 
-    def _int8_dynamic_forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torchao's product for Int8DynamicActivationInt8WeightConfig, op for op where rounding happens (its
-        # choose_qparams_affine / quantize_affine of each row, then int_scaled_matmul; tests compare bit for bit),
-        # with torch._int_mm straight on the int8 rows: the int32 products are exact, so its unsigned-input path
-        # for VNNI CPUs (int_scaled_matmul) gives the same sums. Rows: one token each, quantized on its own.
-        rows = x.reshape(-1, self.in_features)
-        x_scale = (rows.abs().amax(dim=1, keepdim=True) / 127.5).clamp(min=_INT8_EPS).float()
-        q = torch.round(rows * (1.0 / x_scale)).clamp_(-128, 127)
-        if self.onednn_u8:  # the rows shifted to uint8 against a zero point of 128: oneDNN returns the sums in fp32
-            sums = _qlinear_sums(q.add_(128).to(torch.uint8), self.weight, self._ones, self._zeros)
-            y = sums.mul_(x_scale)
-        else:
-            y = torch._int_mm(q.to(torch.int8), self.weight.t()) * x_scale  # int32 * fp32: fp32
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        if self.bias is None:
-            y.mul_(self.scale)  # computed in fp32, rounded once to x's dtype, as torchao's (y * scale).to(dtype)
-        else:
-            y = torch.add(y * self.scale, self.bias, out=torch.empty_like(y))
-        return y.reshape(*x.shape[:-1], self.out_features)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, part={self.index}"
 
@@ -417,7 +396,6 @@ def _int8_layout(linear: torch.nn.Linear) -> str | None:
     if not (type(w).__name__ == "Int8Tensor" and isinstance(q, torch.Tensor) and q.dtype == torch.int8
             and q.dim() == 2 and q.device.type == "cpu" and w.dtype in _PACKABLE_DTYPES
             and list(getattr(w, "block_size", ())) == [1, q.shape[1]] and getattr(w, "act_pre_scale", None) is None
-            and not getattr(w, "reduce_range", False)
             and isinstance(scale, torch.Tensor) and scale.numel() == q.shape[0]
             and (zero is None or not bool(zero.any()))):  # fmt: skip
         return None
@@ -427,7 +405,7 @@ def _int8_layout(linear: torch.nn.Linear) -> str | None:
     granularity = getattr(act, "granularity", None)
     if (type(act).__name__ == "QuantizeTensorToInt8Kwargs" and type(granularity).__name__ == "PerRow"
             and getattr(granularity, "dim", -1) == -1 and getattr(act.mapping_type, "name", "") == "SYMMETRIC"
-            and not getattr(act, "reduce_range", False)
+            and not getattr(act, "reduce_range", False) and not getattr(w, "reduce_range", False)
             and getattr(w, "act_quant_scale", None) is None):  # fmt: skip  (a static scale: another scheme)
         return "int8_dynamic"
     return None

@@ -184,6 +184,18 @@ def test_onednn_u8s8_is_used_only_where_it_computes_the_exact_sums(monkeypatch):
     assert cpu_linear._onednn_u8s8(q) is None
 
 
+@pytest.mark.parametrize("scheme", [{"act_mapping_type": "ASYMMETRIC"}, {"reduce_range": True}])
+def test_other_dynamic_int8_schemes_keep_torchao_s_own_product(scheme):
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, MappingType, quantize_
+
+    if "act_mapping_type" in scheme:
+        scheme = {"act_mapping_type": MappingType.ASYMMETRIC}
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False, **scheme))
+    assert cpu_linear._int8_layout(model[0]) is None  # and packing's own check would refuse it too
+    assert pack_linear_layers(model) == 0 and type(model[0]) is torch.nn.Linear  # not the int8_dynamic formula
+
+
 def test_a_weight_of_another_tensor_type_is_refused_before_anything_changes():
     class Shard(torch.Tensor):  # stands for a tensor-parallel DTensor shard
         pass
