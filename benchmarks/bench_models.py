@@ -8,14 +8,20 @@ BUILD = Path(__file__).resolve().parents[1] / "build"
 
 
 def model_dir(model: str, size: str) -> str:
-    """``model`` if given, else ``build/llama-SIZE`` (a random-weight Llama of that preset, built once)."""
+    """``model`` if given, else ``build/llama-SIZE``, built once: a random-weight Llama of that preset, or for
+    ``trained`` the small Llama benchmarks/train_tiny.py trains (about 2.5 minutes on 2 cores)."""
     if model:
         return model
     path = BUILD / f"llama-{size}"
-    if not (path / "config.json").exists():
-        from common.models.tiny import build_tiny
+    if not (path / "config.json").exists() or (size == "trained" and not (path / "training.json").exists()):
+        if size == "trained":
+            from train_tiny import train
 
-        build_tiny("llama", path, size=size)
+            train(path)
+        else:
+            from common.models.tiny import build_tiny
+
+            build_tiny("llama", path, size=size)
     return str(path)
 
 

@@ -14,8 +14,10 @@ be shared).
 Then greedy top-1 agreement, teacher-forced: the full-precision engine generates --agree-tokens greedy tokens
 after each of --agree-prompts random prompts; both models (stock attention) score those sequences, and a
 position agrees when the int8 model's argmax is the full-precision model's, so one divergence does not cascade.
+Random weights make that rate a floor (near-ties everywhere); --size trained measures it on a small Llama trained
+on its tokenizer's corpus (benchmarks/train_tiny.py), with prompts cut from text it was not trained on.
 
-  python benchmarks/quantization.py [--model DIR | --size 60m|350m] [--dtype float32|bfloat16] [--threads 2]
+  python benchmarks/quantization.py [--model DIR | --size 60m|350m|trained] [--dtype float32|bfloat16] [--threads 2]
       [--quantization int8-weight-only|int8-dynamic] [--decode-tokens 64] [--agree-prompts 8]
       [--agree-tokens 64] [--rounds 1] [--json]
 """
@@ -128,7 +130,12 @@ def agreement(args: argparse.Namespace) -> dict:
     full = load_model(args.model, dtype=args.dtype)
     blocks = args.agree_prompts * -(-(64 + args.agree_tokens) // 16) + 64
     engine = LLMEngine(full, EngineConfig(num_kv_blocks=blocks, max_model_len=1024, num_threads=args.threads))
-    prompts = random_prompts(args.agree_prompts, 64, engine.vocab_size, seed=20)
+    if args.size == "trained":
+        from train_tiny import held_out_prompts
+
+        prompts = held_out_prompts(engine.tokenizer, args.agree_prompts, 64)
+    else:
+        prompts = random_prompts(args.agree_prompts, 64, engine.vocab_size, seed=20)
     outs = engine.generate(prompts, greedy(args.agree_tokens))
     models = [load_model(args.model, dtype=args.dtype, quantization=q).model  # stock attention
               for q in ("none", args.quantization)]
@@ -147,7 +154,8 @@ def agreement(args: argparse.Namespace) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model dir (default: build/llama-SIZE, built if missing)")
-    ap.add_argument("--size", default="60m", choices=("60m", "350m"), help="preset of the default model")
+    ap.add_argument("--size", default="60m", choices=("60m", "350m", "trained"),
+                    help="preset of the default model (trained: agreement on held-out text)")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16: the full-precision variant's dtype")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default="int8-weight-only", choices=QUANTIZATION_METHODS[1:],
