@@ -421,15 +421,16 @@ def _onednn_u8s8(qdata: torch.Tensor) -> torch.Tensor | None:
     """``qdata`` packed for oneDNN's quantized linear (``torch.ops.onednn.qlinear_pointwise``: unsigned int8 inputs
     with a zero point, the weight in oneDNN's own layout), or ``None`` where that product does not give
     ``torch._int_mm``'s sums exactly: checked on rows at the int8 range's ends, where a CPU without VNNI (16-bit
-    pair sums that saturate) would differ. Its signed-input form runs a reference loop (over 100x slower);
-    ``torch._int_mm`` converts the plain weight at each call. On a Zen 4 VM (2 threads), rows x 1024 x 5632: 1 row
-    0.23 ms (``_int_mm`` 0.28), 16: 0.39 (0.56), 64: 1.03 (1.23), 128: 2.1 (2.15); the engine's bf16 kernel
-    0.25, 0.59, 1.84, 3.5."""
+    pair sums that saturate: a row of 127s gives each pair of weights its largest sum) would differ. Its
+    signed-input form runs a reference loop (over 100x slower); ``torch._int_mm`` converts the plain weight at
+    each call. On a Zen 4 VM (2 threads), rows x 1024 x 5632: 1 row 0.23 ms (``_int_mm`` 0.28), 16: 0.39 (0.56),
+    64: 1.03 (1.23), 128: 2.1 (2.15); the engine's bf16 kernel 0.25, 0.59, 1.84, 3.5."""
     if not hasattr(torch.ops.onednn, "qlinear_prepack") or not torch.backends.mkldnn.is_available():
         return None
     g = torch.Generator().manual_seed(0)
     rows = torch.randint(0, 2, (8, qdata.shape[1]), generator=g, dtype=torch.int32).mul_(254).sub_(127)  # +-127
     rows[:, ::3] = -128
+    rows[0] = 127  # every uint8 at 255: the largest pair sums any input gives (a saturating CPU fails this row)
     try:
         packed = torch.ops.onednn.qlinear_prepack(qdata, None)
         n = qdata.shape[0]
