@@ -69,6 +69,14 @@ _RETRYABLE = {
 }  # fmt: skip
 
 
+def _worker_code(exc: grpc.RpcError) -> grpc.StatusCode:
+    """A worker call's status as the hand-off reports it. The router's own cancellations arrive as
+    ``asyncio.CancelledError``, so a CANCELLED status is the worker's doing: its server stopped (a drain that ran
+    out, a SIGTERM) with the call in flight. That is UNAVAILABLE, retried on another worker, as the decode streams
+    treat it (decode_mux)."""
+    return grpc.StatusCode.UNAVAILABLE if exc.code() is grpc.StatusCode.CANCELLED else exc.code()
+
+
 TOKENIZE_ON_LOOP_CHARS = 4096  # longer prompt texts are tokenized on the thread pool, not on the event loop
 
 
@@ -361,7 +369,8 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                     timeout=min(10.0, max(0.1, deadline_s - time.monotonic())), metadata=metadata,
                 )
             except grpc.RpcError as exc:
-                raise HandoffError(exc.code(), f"decode worker {d.id} could not reserve KV: {exc.details()}", d.id)
+                raise HandoffError(_worker_code(exc), f"decode worker {d.id} could not reserve KV: {exc.details()}",
+                                   d.id)  # fmt: skip
             except asyncio.CancelledError:  # the client went away: the reservation may have been made
                 self._release_soon(decode_stub, wid)
                 raise
@@ -404,7 +413,9 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                 # side: the prefill worker may well be the only one), else this prefill worker (a corrupt or late
                 # transfer starts at the sender as often as anywhere; the decode worker may be the only one), or
                 # the decode worker when this prefill worker is the only one (a pair that cannot reach each other).
-                raise HandoffError(exc.code(), f"prefill on {p.id} (KV to {d.id}) failed: {details}",
+                if exc.code() is grpc.StatusCode.CANCELLED:
+                    details = f"the prefill worker cancelled the call (its server stopping): {details}"
+                raise HandoffError(_worker_code(exc), f"prefill on {p.id} (KV to {d.id}) failed: {details}",
                                    p.id if decode_answers else d.id, d.id if decode_answers else "")  # fmt: skip
             finally:
                 self.tracker.release(p.id)

@@ -151,3 +151,27 @@ def test_seeded_sampling_through_the_cluster_equals_one_engine(model_dir):
                    for p, s in zip(prompts, (11, 12))]
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     assert [g.text for g in got] == [e.text for e in expected]
+
+
+def test_a_prefill_the_worker_cancels_is_retried_on_another_worker(model_dir, hf_reference, monkeypatch):
+    """A worker whose server stops with a prefill in flight (a drain that ran out) cancels the call: the router did
+    not cancel it, so it is retried like an unreachable worker, not passed to the client as CANCELLED."""
+    from services.prefill.servicer import PrefillServicer
+
+    real, cancelled = PrefillServicer.Prefill, []
+
+    def cancel_the_first(self, request, context):
+        if not cancelled:
+            cancelled.append(request.request_id)
+            context.abort(grpc.StatusCode.CANCELLED, "the server stopped")
+        return real(self, request, context)
+
+    monkeypatch.setattr(PrefillServicer, "Prefill", cancel_the_first)
+    prefill = [{"worker_id": "prefill-0"}, {"worker_id": "prefill-1"}]
+    with inprocess_cluster(model_dir, prefill=prefill, decode=[{"worker_id": "decode-0"}]) as cluster:
+        with Client(cluster.router, timeout_s=60) as client:
+            prompt = [5, 6, 7, 8, 9] * 4
+            result = client.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert cancelled and result.token_ids == hf_greedy(hf_reference(model_dir), prompt, 8)
+        workers = wait_all_blocks_free(cluster.redis_url)
+        assert all(w.kv_blocks_used == 0 for w in workers), [(w.id, w.kv_blocks_used) for w in workers]
