@@ -13,15 +13,15 @@ def model_dir(model: str, size: str) -> str:
     if model:
         return model
     path = BUILD / f"llama-{size}"
-    if not (path / "config.json").exists() or (size == "trained" and not (path / "training.json").exists()):
-        if size == "trained":
+    if size == "trained":
+        if not (path / "training.json").exists():  # written last
             from train_tiny import train
 
             train(path)
-        else:
-            from common.models.tiny import build_tiny
+    elif not (path / "config.json").exists():
+        from common.models.tiny import build_tiny
 
-            build_tiny("llama", path, size=size)
+        build_tiny("llama", path, size=size)
     return str(path)
 
 

@@ -133,12 +133,12 @@ class PackedLinear(torch.nn.Module):
     @classmethod
     def concatenated(cls, linears: list[torch.nn.Linear], kernel: bool = False, prefill: bool = False) -> PackedLinear:
         """One packed layer whose output is the outputs of ``linears`` side by side."""
-        int8 = {_int8_layout(m) for m in linears}
-        if len(int8) == 1 and None not in int8:  # per-row scales concatenate exactly
+        int8 = _shared_int8_layout(linears)
+        if int8 is not None:  # per-row scales concatenate exactly
             fused = cls.__new__(cls)
             torch.nn.Module.__init__(fused)
             fused.in_features, fused.dtype = linears[0].in_features, linears[0].weight.dtype
-            fused._set_int8(int8.pop(), linears)
+            fused._set_int8(int8, linears)
             return fused
         cat = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                               bias=linears[0].bias is not None, device="meta")  # fmt: skip
@@ -352,8 +352,7 @@ def _fuse_siblings(model: torch.nn.Module, kernel: bool = False, prefill: bool =
             layers = [getattr(parent, n, None) for n in names]
             if not all(type(m) is torch.nn.Linear for m in layers):
                 continue
-            int8 = {_int8_layout(m) for m in layers}
-            if not (all(_plain(m) for m in layers) or (len(int8) == 1 and None not in int8)):
+            if not (all(_plain(m) for m in layers) or _shared_int8_layout(layers)):
                 continue
             first = layers[0]
             if any(m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
@@ -409,6 +408,12 @@ def _int8_layout(linear: torch.nn.Linear) -> str | None:
             and getattr(w, "act_quant_scale", None) is None):  # fmt: skip  (a static scale: another scheme)
         return "int8_dynamic"
     return None
+
+
+def _shared_int8_layout(linears: list[torch.nn.Linear]) -> str | None:
+    """The int8 layout all of ``linears`` take (:func:`_int8_layout`), or ``None`` when they do not share one."""
+    layouts = {_int8_layout(m) for m in linears}
+    return layouts.pop() if len(layouts) == 1 else None
 
 
 def _qlinear_sums(rows_u8: torch.Tensor, packed: torch.Tensor, ones: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import grpc
 
 from common.rpc.convert import extend_decode_piece
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.router.errors import worker_status
 
 log = logging.getLogger(__name__)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -135,7 +136,7 @@ class DecodeMux:
                 log.warning("decode worker %s has no DecodeMany: plain Decode calls to it", self.address)
                 error = _Unsupported()
             else:  # a worker that went away mid-stream (its server stopped) failed every request on it
-                code = grpc.StatusCode.UNAVAILABLE if code is grpc.StatusCode.CANCELLED else code
+                code = worker_status(exc)
                 error = failure = StreamError(code, exc.details() or code.name)
         finally:
             if self._call is call:

@@ -16,3 +16,10 @@ class HandoffError(Exception):
         self.code = code
         self.worker_id = worker_id
         self.other_id = other_id
+
+
+def worker_status(exc: grpc.RpcError) -> grpc.StatusCode:
+    """A worker call's status as the router treats it. The router's own cancellations arrive as
+    ``asyncio.CancelledError``, so a CANCELLED status is the worker's doing: its server stopped (a drain that ran
+    out, a SIGTERM) with the call in flight. That is UNAVAILABLE: a worker gone, retried or migrated elsewhere."""
+    return grpc.StatusCode.UNAVAILABLE if exc.code() is grpc.StatusCode.CANCELLED else exc.code()

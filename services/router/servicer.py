@@ -52,7 +52,7 @@ from pdserve.v1 import generate_pb2, generate_pb2_grpc, types_pb2, worker_pb2, w
 from services.router.config import RouterConfig
 from services.router.decode_mux import DecodeMux
 from services.router.decode_stream import DecodeStreamMixin
-from services.router.errors import HandoffError
+from services.router.errors import HandoffError, worker_status
 from services.router.policy import Choice, LoadTracker, pick_decode, pick_prefill, pick_prefill_cached
 from services.router.rate_limits import RATE_LIMIT_KEY, Charge, RateLimited, RouterRateLimits
 from services.router.registry_view import RegistryView
@@ -67,14 +67,6 @@ _RETRYABLE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED,
 }  # fmt: skip
-
-
-def _worker_code(exc: grpc.RpcError) -> grpc.StatusCode:
-    """A worker call's status as the hand-off reports it. The router's own cancellations arrive as
-    ``asyncio.CancelledError``, so a CANCELLED status is the worker's doing: its server stopped (a drain that ran
-    out, a SIGTERM) with the call in flight. That is UNAVAILABLE, retried on another worker, as the decode streams
-    treat it (decode_mux)."""
-    return grpc.StatusCode.UNAVAILABLE if exc.code() is grpc.StatusCode.CANCELLED else exc.code()
 
 
 TOKENIZE_ON_LOOP_CHARS = 4096  # longer prompt texts are tokenized on the thread pool, not on the event loop
@@ -369,7 +361,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                     timeout=min(10.0, max(0.1, deadline_s - time.monotonic())), metadata=metadata,
                 )
             except grpc.RpcError as exc:
-                raise HandoffError(_worker_code(exc), f"decode worker {d.id} could not reserve KV: {exc.details()}",
+                raise HandoffError(worker_status(exc), f"decode worker {d.id} could not reserve KV: {exc.details()}",
                                    d.id)  # fmt: skip
             except asyncio.CancelledError:  # the client went away: the reservation may have been made
                 self._release_soon(decode_stub, wid)
@@ -415,7 +407,7 @@ class RouterServicer(DecodeStreamMixin, RecordsMixin, generate_pb2_grpc.Generate
                 # the decode worker when this prefill worker is the only one (a pair that cannot reach each other).
                 if exc.code() is grpc.StatusCode.CANCELLED:
                     details = f"the prefill worker cancelled the call (its server stopping): {details}"
-                raise HandoffError(_worker_code(exc), f"prefill on {p.id} (KV to {d.id}) failed: {details}",
+                raise HandoffError(worker_status(exc), f"prefill on {p.id} (KV to {d.id}) failed: {details}",
                                    p.id if decode_answers else d.id, d.id if decode_answers else "")  # fmt: skip
             finally:
                 self.tracker.release(p.id)
