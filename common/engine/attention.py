@@ -12,7 +12,7 @@ to the registered attention function unchanged. For every layer that function
 Sequences are grouped by shape: the *decode group* holds the sequences with one new token (packed first,
 in order, so its output needs no scatter); the *prefill group* the rest (prompt chunks, recomputes),
 padded to the longest chunk, unless every one is a whole prompt from position 0 (:func:`_fresh_attention`:
-each prompt on its own K/V, by a varlen kernel on CUDA, the engine's flash attention on AVX-512 CPUs, or one
+each prompt on its own K/V, by a varlen kernel on CUDA, the engine's flash attention on AVX2 or AVX-512 CPUs, or one
 causal SDPA per prompt). Grouped-query heads
 are handled without repeating K/V: the query heads that share a KV head are folded into the query-length
 axis.
@@ -296,12 +296,12 @@ def _cpu_prefill_varlen() -> VarlenKernel:
 def cpu_prefill_kernel_chosen(choice: str, dtype: torch.dtype, head_dim: int | None = None) -> bool:
     """Whether prefill groups attend by the engine's kernels (``torch.ops.pdserve.prefill_attention``,
     ``paged_prefill_attention``) for ``EngineConfig.prefill_attention`` ``choice``, on a CPU whose engine kernels
-    loaded, in ``dtype``: ``kernel`` where the build has them (bf16: AVX512-BF16; fp32: AVX-512), ``auto`` there
-    too except bf16 on CPUs with AMX where the kernel has no AMX path for ``head_dim``
-    (``prefill_attention_amx``: head dims 32, 64, 96, 128; torch's flash attention runs on AMX tiles there and
-    beat the vdpbf16ps kernel), ``sdpa`` never. 2,048 tokens of 16 heads of 64 over 8 KV heads in bf16: on a 2-core
-    Zen 4 VM 29 ms a layer against SDPA's 71, on a 2-core Xeon with AMX ~12 against ~23, heads of 128 ~23 against
-    ~30 (docs/benchmarks.md)."""
+    loaded, in ``dtype``: ``kernel`` where the build has them (AVX2 and FMA, both dtypes in float; AVX-512, bf16
+    there with AVX512-BF16), ``auto`` there too except bf16 on CPUs with AMX where the kernel has no AMX path for
+    ``head_dim`` (``prefill_attention_amx``: head dims 32, 64, 96, 128; torch's flash attention runs on AMX tiles
+    there and beat the vdpbf16ps kernel), ``sdpa`` never. 2,048 tokens of 16 heads of 64 over 8 KV heads in bf16:
+    on a 2-core Zen 4 VM 29 ms a layer against SDPA's 71, on a 2-core Xeon with AMX ~12 against ~23, heads of 128
+    ~23 against ~30, on a 2-core Zen 3 VM (AVX2) ~70 against ~95 (docs/benchmarks.md)."""
     if choice == "sdpa" or dtype not in (torch.bfloat16, torch.float32):
         return False
     if not torch.ops.pdserve.prefill_attention_supported(dtype):

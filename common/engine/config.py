@@ -47,7 +47,8 @@ class EngineConfig:
     # "prefill" (batches of prompt tokens: oneDNN's GEMM layout for bf16 on AMX CPUs; see cpu_linear)
     weight_layout: str = "decode"
     # how prefill steps attend on the CPU: "kernel" (the engine's flash attention, common/engine/csrc/
-    # prefill_attention.cpp: bf16 on AVX512-BF16 CPUs, on AMX tiles where the CPU has them, fp32 on AVX-512), "sdpa"
+    # prefill_attention.cpp: bf16 on AVX512-BF16 CPUs, on AMX tiles where the CPU has them, fp32 on AVX-512, both in
+    # float on AVX2 CPUs without AVX-512), "sdpa"
     # (torch's SDPA; chunks continuing their sequences gathered and masked), "auto" (the kernel where built, except
     # bf16 on AMX CPUs for head dims the AMX path does not cover: torch's attention runs on AMX tiles there)
     prefill_attention: str = "auto"

@@ -76,8 +76,9 @@ class WorkerConfig:
     prefill_attention: str = field(
         default="auto",
         metadata={"help": "how prefill steps attend on the CPU: kernel (the engine's flash attention, bf16 on "
-                          "AVX512-BF16 CPUs, on AMX tiles where the CPU has them, fp32 on AVX-512: on a Zen 4 VM a "
-                          "2,048-token bf16 prefill 1.3x faster, a 4,000-token prompt in chunks 1.5x), sdpa "
+                          "AVX512-BF16 CPUs, on AMX tiles where the CPU has them, fp32 on AVX-512, both in float on "
+                          "AVX2 CPUs: on a Zen 4 VM a 2,048-token bf16 prefill 1.3x faster, a 4,000-token prompt in "
+                          "chunks 1.5x; on a Zen 3 VM 1.13x and 1.19x), sdpa "
                           "(torch's), or auto (the kernel where built, except bf16 on AMX CPUs for head dims the "
                           "AMX path does not cover: past 128 or not a multiple of 32)",
                   "choices": ["auto", "kernel", "sdpa"]},

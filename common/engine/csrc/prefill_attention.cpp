@@ -1,7 +1,8 @@
 // Causal attention of a prefill step's sequences on the CPU: flash attention in bf16 (vdpbf16ps products, CPUs with
 // AVX512-BF16; AMX tiles on CPUs with AMX-BF16, head dims 32 to 128: see "bf16 on CPUs with AMX" below) or fp32
-// (FMAs, CPUs with AVX-512), for whole prompts over their own keys (prefill_attention) and for
-// chunks continuing their sequences over keys read from the paged cache (paged_prefill_attention).
+// (FMAs, CPUs with AVX-512), or both in float on CPUs with AVX2 and FMA alone (see "AVX2" below), for whole prompts
+// over their own keys (prefill_attention) and for chunks continuing their sequences over keys read from the paged
+// cache (paged_prefill_attention).
 //
 // torch's CPU flash attention runs at ~120 GFLOP/s in bf16 on a 2-core Zen 4 VM whose bf16 matmul reaches ~435
 // (2,048 tokens, 16 heads of 64 over 8 KV heads: 71 ms a layer, a third of a 0.35B model's prefill), and a
@@ -37,6 +38,13 @@
 #include <vector>
 
 #if defined(__AVX512F__)
+#define PDSERVE_PREFILL_KERNEL 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PDSERVE_PREFILL_KERNEL 1
+#define PDSERVE_PREFILL_AVX2 1  // both dtypes in float: see "AVX2" below
+#endif
+
+#if defined(PDSERVE_PREFILL_KERNEL)
 #include <immintrin.h>
 #endif
 
@@ -54,10 +62,10 @@ constexpr int RS = 4;        // rows a register block
 constexpr int64_t MAX_DIM = 256;
 
 bool prefill_attention_supported(c10::ScalarType dtype) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(PDSERVE_PREFILL_AVX2)
   if (dtype == at::kBFloat16) return true;
 #endif
-#if defined(__AVX512F__)
+#if defined(PDSERVE_PREFILL_KERNEL)
   if (dtype == at::kFloat) return true;
 #endif
   return false;
@@ -68,10 +76,11 @@ struct Seq {
   int64_t t0, pos0, n;
 };
 
-#if defined(__AVX512F__)
+#if defined(PDSERVE_PREFILL_KERNEL)
 
 constexpr float NEG = -1e30f;  // a finite "minus infinity": a row with no key yet never computes inf - inf
 
+#if defined(__AVX512F__)
 // 2^x for x <= 0: Taylor of 2^r on |r| <= 1/2, degree 5 for bf16 (relative error ~2e-6, far below the rounding of
 // the probabilities), 6 for fp32 (~1.2e-7); scalef takes n down to 0 without overflow tricks.
 template <bool FINE>
@@ -88,18 +97,31 @@ inline __m512 exp2_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+#endif
 
-// Elements per 32-bit unit of the packed layouts: a bf16 pair, or a float.
+// Elements per 32-bit unit of the packed layouts: a bf16 pair, or a float (bf16 widened to float on AVX2).
+#if defined(PDSERVE_PREFILL_AVX2)
+constexpr bool WIDEN_BF16 = true;
+#else
+constexpr bool WIDEN_BF16 = false;
+#endif
 template <typename T>
-constexpr int64_t PER = std::is_same_v<T, float> ? 1 : 2;
+constexpr int64_t PER = std::is_same_v<T, float> || WIDEN_BF16 ? 1 : 2;
 
+// Unit u of a row: elements PER * u.. as they are, or a bf16 element widened to the bits of its float.
 template <typename T>
 inline uint32_t unit_at(const T* row, int64_t u) {
+  if constexpr (!std::is_same_v<T, float> && WIDEN_BF16) {
+    uint16_t b;
+    std::memcpy(&b, row + u, sizeof b);
+    return static_cast<uint32_t>(b) << 16;
+  }
   uint32_t x;
   std::memcpy(&x, row + PER<T> * u, sizeof x);
   return x;
 }
 
+#if defined(__AVX512F__)
 // acc += a . b over one 32-bit unit per lane: vdpbf16ps (two bf16 products a lane) or an FMA
 template <typename T>
 inline __m512 unit_fma(__m512 acc, __m512i a, __m512i b) {
@@ -114,6 +136,7 @@ inline __m512 unit_fma(__m512 acc, __m512i a, __m512i b) {
 #endif
   }
 }
+#endif  // __AVX512F__
 
 template <typename T>
 struct Layout {
@@ -140,10 +163,17 @@ void pack_kv(int64_t len, int64_t dim, const KeyRow& key_row, const ValueRow& va
   }
   for (int64_t j = 0; j < len; ++j) {
     const T* vrow = value_row(j);
-    T* dst = reinterpret_cast<T*>(vp + (j / BK) * (BK / per) * dim + (j % BK) / per * dim) + (j % per);
-    for (int64_t d = 0; d < dim; ++d) dst[per * d] = vrow[d];
+    if constexpr (per == 1) {
+      uint32_t* dst = vp + j * dim;  // [block][key][dim]: keys one after the other
+      for (int64_t d = 0; d < dim; ++d) dst[d] = unit_at(vrow, d);
+    } else {
+      T* dst = reinterpret_cast<T*>(vp + (j / BK) * (BK / per) * dim + (j % BK) / per * dim) + (j % per);
+      for (int64_t d = 0; d < dim; ++d) dst[per * d] = vrow[d];
+    }
   }
 }
+
+#if defined(__AVX512F__)
 
 // Scores of R rows (q rows given) against the 64 keys of one packed block: s[r][c] covers keys 16c..16c+15.
 template <typename T, int R>
@@ -524,6 +554,212 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
 }
 #endif  // PDSERVE_AMX_ATTENTION
 
+#elif defined(PDSERVE_PREFILL_AVX2)
+// AVX2 (CPUs without AVX-512: Zen 2 and 3, older Xeons), 8 floats a vector and 16 registers. Both dtypes compute
+// in float: bf16 K and V rows are widened as they are packed, a row group's queries as it starts, and the
+// probabilities stay float (torch's bf16 flash attention rounds them to bf16). Packed as above with float units:
+// K as [key block][dim][64 keys], V as [key][dim]. Per group of 4 query rows and key block: the scores 16 keys at a
+// time (8 accumulators), the online softmax over the block, then the outputs 16 dims at a time. Keys of a block
+// past the group's last row are neither scored nor weighed.
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// 2^x for x <= 0 (degree 6, relative error ~1.2e-7); x clamped to -126, whose 2^x (~1e-38) is nothing next to the
+// row maximum's 1 (masked keys are zeroed apart).
+inline __m256 exp2_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.5403530393e-4f), r, _mm256_set1_ps(1.3333558146e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.6181291076e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.5504108665e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022650696e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.9314718056e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// 8 floats to bf16, rounded to nearest even (finite values)
+inline void store_bf16(c10::BFloat16* dst, __m256 y) {
+  __m256i b = _mm256_castps_si256(y);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), halves);
+}
+
+// Register blocks of 6 rows x 16 keys (scores) or x 16 dims (outputs): 12 accumulators, 2 vectors of keys or values
+// and a broadcast take 15 of the 16 registers; 8 loads a 12 FMAs. (3 x 32: 17 registers, and GCC read the keys
+// from memory at every FMA.)
+constexpr int RS2 = 6;  // rows a register block
+constexpr int SK = 2;   // key vectors a score chunk
+constexpr int SD = 2;   // dim vectors an output chunk
+
+// s[r][0, keys) = q[r] . K[key] over one packed block, 8 * SK keys at a time; keys a multiple of that.
+template <int R>
+inline void score_rows(float (*s)[BK], const float* q, int64_t q_s, const uint32_t* kb, int64_t dim, int64_t keys) {
+  for (int64_t c = 0; c < keys; c += 8 * SK) {
+    __m256 a[R][SK];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < SK; ++v) a[r][v] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < dim; ++u) {
+      const float* k = reinterpret_cast<const float*>(kb + u * BK + c);
+      __m256 kv[SK];
+      for (int v = 0; v < SK; ++v) kv[v] = _mm256_loadu_ps(k + 8 * v);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qb = _mm256_broadcast_ss(q + r * q_s + u);
+        for (int v = 0; v < SK; ++v) a[r][v] = _mm256_fmadd_ps(qb, kv[v], a[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < SK; ++v) _mm256_storeu_ps(s[r] + c + 8 * v, a[r][v]);
+  }
+}
+
+// o[r][d0, d0 + 8 NC) = o * alpha[r] + sum over keys [0, keys) of p[r][key] V[key]
+template <int R, int NC>
+inline void weigh_chunk(float* o, int64_t dim, int64_t d0, const float* alpha, const float (*p)[BK], const float* vb,
+                        int64_t keys) {
+  __m256 acc[R][NC];
+  for (int r = 0; r < R; ++r) {
+    const __m256 a = _mm256_set1_ps(alpha[r]);
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(o + r * dim + d0 + 8 * c), a);
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    __m256 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm256_loadu_ps(vb + j * dim + d0 + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 pb = _mm256_broadcast_ss(&p[r][j]);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_fmadd_ps(pb, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + r * dim + d0 + 8 * c, acc[r][c]);
+}
+
+template <int R>
+inline void weigh_rows(float* o, int64_t dim, const float* alpha, const float (*p)[BK], const float* vb,
+                       int64_t keys) {
+  static_assert(SD == 2, "dims are whole 16s");
+  for (int64_t d = 0; d < dim; d += 8 * SD) weigh_chunk<R, SD>(o, dim, d, alpha, p, vb, keys);
+}
+
+// R rows of an item at positions pos.. (q their widened queries, o their outputs: R x dim floats) over key block
+// kb: scores, online softmax (m, l), probabilities, outputs.
+template <typename T, int R>
+void rows_over_block(const Layout<T>& L, int64_t pos, int64_t kb, bool masked, const float* q, const uint32_t* kp,
+                     const uint32_t* vp, float* o, float* m, __m256* l) {
+  const int64_t last = pos + R - 1;
+  const int64_t keys = std::min<int64_t>(BK, last - kb * BK + 1);  // visible to some row of the group
+  const int64_t vecs = (keys + 7) / 8, scored = (keys + 8 * SK - 1) / (8 * SK) * (8 * SK);
+  alignas(32) float s[RS2][BK];
+  score_rows<R>(s, q, L.dim, kp + kb * L.dim * BK, L.dim, scored);
+  const __m256 scale = _mm256_set1_ps(L.scale_log2), neg = _mm256_set1_ps(NEG);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  alignas(32) float diff[8] = {}, alpha[8];
+  __m256 valid[RS2][BK / 8];
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = pos + r;
+    __m256 top = neg;
+    for (int64_t c = 0; c < vecs; ++c) {
+      __m256 x = _mm256_mul_ps(_mm256_load_ps(s[r] + 8 * c), scale);
+      if (masked) {  // key j visible to the row at position i iff j <= i (and j > i - window)
+        const __m256i j = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(kb * BK + 8 * c)));
+        __m256i ok = _mm256_xor_si256(_mm256_cmpgt_epi32(j, _mm256_set1_epi32(static_cast<int>(i))),
+                                      _mm256_set1_epi32(-1));
+        if (L.window > 0)
+          ok = _mm256_and_si256(ok, _mm256_cmpgt_epi32(j, _mm256_set1_epi32(static_cast<int>(i - L.window))));
+        valid[r][c] = _mm256_castsi256_ps(ok);
+        x = _mm256_blendv_ps(neg, x, valid[r][c]);
+      }
+      _mm256_store_ps(s[r] + 8 * c, x);
+      top = _mm256_max_ps(top, x);
+    }
+    const float m_new = std::max(m[r], hmax(top));
+    diff[r] = m[r] - m_new;
+    m[r] = m_new;
+  }
+  _mm256_store_ps(alpha, exp2_nonpositive(_mm256_load_ps(diff)));  // the R rows' rescalings in one exp
+  alignas(32) float p[RS2][BK];
+  for (int r = 0; r < R; ++r) {
+    const __m256 mv = _mm256_set1_ps(m[r]);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t c = 0; c < vecs; ++c) {
+      __m256 e = exp2_nonpositive(_mm256_sub_ps(_mm256_load_ps(s[r] + 8 * c), mv));
+      if (masked) e = _mm256_and_ps(e, valid[r][c]);
+      sum = _mm256_add_ps(sum, e);
+      _mm256_store_ps(p[r] + 8 * c, e);
+    }
+    l[r] = _mm256_fmadd_ps(l[r], _mm256_set1_ps(alpha[r]), sum);
+  }
+  weigh_rows<R>(o, L.dim, alpha, p, reinterpret_cast<const float*>(vp) + kb * BK * L.dim, 8 * vecs);
+}
+
+// One item: query head h of a sequence whose queries are rows t0.. at positions pos0.., rows [i0, i1) of them.
+// Key blocks outer, the item's row groups inner: a block's K and V (16 KiB each at a head dim of 64) are read from
+// memory once for the item's rows, not once per group (2,048 keys of K and V, 1 MiB, outgrow a Zen 3 core's L2).
+template <typename T>
+void attend_item(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_t i0, int64_t i1,
+                 const uint32_t* kp, const uint32_t* vp) {
+  const int64_t n = i1 - i0, dim = L.dim;
+  std::unique_ptr<float[]> buf(new float[2 * BQ * dim + 8]);  // the rows' float queries, then their outputs
+  float* q = buf.get();
+  float* o = q + BQ * dim;
+  alignas(32) float m[BQ];
+  __m256 l[BQ];
+  for (int64_t r = 0; r < n; ++r) {
+    const T* row = L.q + (t0 + i0 + r) * L.q_s0 + h * L.q_s1;
+    for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = static_cast<float>(row[d]);
+    m[r] = NEG, l[r] = _mm256_setzero_ps();
+  }
+  std::fill(o, o + n * dim, 0.f);
+  const int64_t first = pos0 + i0, last = pos0 + i1 - 1;  // positions
+  const int64_t first_key = L.window > 0 ? std::max<int64_t>(0, first - L.window + 1) : 0;
+  for (int64_t kb = first_key / BK; kb <= last / BK; ++kb) {
+    const int64_t k0 = kb * BK, k1 = k0 + BK - 1;
+    for (int64_t r0 = 0; r0 < n; r0 += RS2) {
+      const int R = static_cast<int>(std::min<int64_t>(RS2, n - r0));
+      const int64_t g_first = pos0 + i0 + r0, g_last = g_first + R - 1;
+      if (k0 > g_last || (L.window > 0 && k1 <= g_first - L.window)) continue;  // no key of the block visible
+      const bool masked = k1 > g_first || (L.window > 0 && k0 <= g_last - L.window);
+      float *qg = q + r0 * dim, *og = o + r0 * dim;
+      switch (R) {
+        case 6: rows_over_block<T, 6>(L, g_first, kb, masked, qg, kp, vp, og, m + r0, l + r0); break;
+        case 5: rows_over_block<T, 5>(L, g_first, kb, masked, qg, kp, vp, og, m + r0, l + r0); break;
+        case 4: rows_over_block<T, 4>(L, g_first, kb, masked, qg, kp, vp, og, m + r0, l + r0); break;
+        case 3: rows_over_block<T, 3>(L, g_first, kb, masked, qg, kp, vp, og, m + r0, l + r0); break;
+        case 2: rows_over_block<T, 2>(L, g_first, kb, masked, qg, kp, vp, og, m + r0, l + r0); break;
+        default: rows_over_block<T, 1>(L, g_first, kb, masked, qg, kp, vp, og, m + r0, l + r0); break;
+      }
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const __m256 inv = _mm256_set1_ps(1.f / hsum(l[r]));
+    T* dst = L.out + (t0 + i0 + r) * L.o_s0 + h * L.o_s1;
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(o + r * dim + d), inv);
+      if constexpr (std::is_same_v<T, float>)
+        _mm256_storeu_ps(dst + d, y);
+      else
+        store_bf16(dst + d, y);
+    }
+  }
+}
+static_assert(RS2 == 6, "attend_item's groups of 1 to 6 rows");
+
+#endif  // __AVX512F__, PDSERVE_PREFILL_AVX2
+
 // Every sequence's attention: each (sequence, KV head) packed by pack(i, g, kp, vp), then items (sequence, query
 // head, block of BQ rows), the most keys first, claimed by the threads as they come, each attended by
 // item(t0, pos0, head, first row, end row, kp, vp).
@@ -630,7 +866,7 @@ void from_cache(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, i
   });
 }
 
-#endif  // __AVX512F__
+#endif  // PDSERVE_PREFILL_KERNEL
 
 // Whether bf16 prefill attention runs on AMX tiles for this head dim (CPUs with AMX-BF16, head dims 32, 64, 96, 128);
 // elsewhere bf16 takes the vdpbf16ps kernel.
@@ -646,7 +882,8 @@ bool prefill_attention_amx(int64_t head_dim) {
 void check_dtype(c10::ScalarType dtype, const char* op) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, op, ": bfloat16 or float32 tensors, got ", dtype);
   TORCH_CHECK(prefill_attention_supported(dtype), op, " in ", dtype,
-              " needs a build for a CPU with AVX-512 (and AVX512-BF16 for bfloat16): see prefill_attention_supported");
+              " needs a build for a CPU with AVX2 and FMA, or AVX-512 (with AVX512-BF16 for bfloat16): see "
+              "prefill_attention_supported");
 }
 
 // Whole prompts: prompt i's queries and keys are rows [bounds[i], bounds[i + 1]) of q and of k, v ([tokens, kv
@@ -671,10 +908,10 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(b[i] <= b[i + 1], "bounds must not decrease");
   std::vector<Seq> seqs;
   for (int64_t i = 0; i < n; ++i) seqs.push_back({b[i], 0, b[i + 1] - b[i]});
-#if defined(__AVX512F__)
+#if defined(PDSERVE_PREFILL_KERNEL)
   if (dtype == at::kFloat) whole_prompts<float>(out, q, k, v, seqs, scale, window);
 #endif
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(PDSERVE_PREFILL_AVX2)
   if (dtype == at::kBFloat16) whole_prompts<c10::BFloat16>(out, q, k, v, seqs, scale, window);
 #endif
 }
@@ -715,10 +952,10 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
                   " out of range");
     seqs.push_back(sq);
   }
-#if defined(__AVX512F__)
+#if defined(PDSERVE_PREFILL_KERNEL)
   if (dtype == at::kFloat) from_cache<float>(out, q, cache, layer, table, width, seqs, scale, window);
 #endif
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(PDSERVE_PREFILL_AVX2)
   if (dtype == at::kBFloat16) from_cache<c10::BFloat16>(out, q, cache, layer, table, width, seqs, scale, window);
 #endif
 }

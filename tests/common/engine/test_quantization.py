@@ -248,10 +248,14 @@ def test_dynamic_int8_engine_is_batch_invariant_and_agrees_with_stock_generate(d
 @pytest.mark.slow
 def test_bf16_int8_engine_stays_within_bf16_rounding_of_stock_on_the_int8_model(model_dir):
     """In bf16, decode steps of one and of several sequences (ATen's int8 kernel at up to INT8_PACK_ROWS rows,
-    torchao's product above) against stock bf16 over the same int8 weights (torchao's product everywhere)."""
+    torchao's product above) against stock over the same int8 weights (torchao's product everywhere): the engine's
+    logits are as far from stock fp32's as stock bf16's are, row by row (measured: 0.82-1.17x of stock bf16's
+    0.20-0.64 on a 2-core AVX2 EPYC, whose bf16 kernels round differently from an AVX512-BF16 CPU's), and near
+    stock bf16's. A wrong slice of a fused product is off by whole units."""
     engine = LLMEngine(load_model(model_dir, dtype="bfloat16", quantization=INT8), EngineConfig(num_kv_blocks=200))
     assert {m.layout for m in engine.loaded.model.modules() if isinstance(m, PackedLinear)} == {"int8_rows"}
     reference = load_model(model_dir, dtype="bfloat16", quantization=INT8).model
+    exact = load_model(model_dir, dtype="float32", quantization=INT8).model
     for n in (1, INT8_PACK_ROWS + 2):
         for p in _prompts(engine.vocab_size, n, seed=n):
             engine.add_request(p, GREEDY.replace(max_new_tokens=6))
@@ -263,8 +267,11 @@ def test_bf16_int8_engine_stays_within_bf16_rounding_of_stock_on_the_int8_model(
         logits = engine.runner.run(batch)
         with torch.no_grad():
             for row, request in zip(logits, batch.sampling_requests):
-                stock = reference(torch.tensor([request.all_token_ids])).logits[0, -1].float()
-                assert (row - stock).abs().max().item() < 0.15
+                ids = torch.tensor([request.all_token_ids])
+                stock, truth = reference(ids).logits[0, -1].float(), exact(ids).logits[0, -1]
+                stock_error = (stock - truth).abs().max().item()
+                assert (row - truth).abs().max().item() <= 1.5 * stock_error, stock_error
+                assert (row - stock).abs().max().item() < 0.25
         for request, _ in scheduled:
             engine.abort(request.request_id)
 
