@@ -72,14 +72,16 @@ class PackedLinear(torch.nn.Module):
     - ``"int8_rows"``: a weight torchao quantized to int8 with one scale per output feature
       (``--quantization int8-weight-only``, common/engine/quantization.py), kept as its int8 values and scales:
       bf16 products of up to :data:`INT8_PACK_ROWS` rows by ``torch._weight_int8pack_mm``, larger ones as torchao
-      computes them, fp32 ones by oneDNN over the weight widened at each call. As PackedLinears an int8 model's
-      projections fuse as a full-precision model's do (q|k|v, gate|up: per-row scales concatenate exactly), and
-      its layers run in the engine's fused modules and flat layer loop.
+      computes them, fp32 ones by oneDNN over the weight widened a tile at a time at each call. As PackedLinears an
+      int8 model's projections fuse as a full-precision model's do (q|k|v, gate|up: per-row scales concatenate
+      exactly), and its layers run in the engine's fused modules and flat layer loop.
     - ``"int8_dynamic"``: the same int8 weight with dynamic per-token quantization of the inputs
       (``--quantization int8-dynamic``, W8A8): each input row rounded to int8 on its own scale, the products
       summed in int32 and scaled back as torchao does, bit for bit. The sums come from oneDNN's quantized linear
-      over its own packing of the weight (``onednn_u8``, where it computes them exactly: :func:`_onednn_u8s8`),
-      else from ``torch._int_mm``. Fuses as ``int8_rows`` does.
+      over its own packing of the weight (``sums == "onednn_u8"``, where it computes them exactly:
+      :func:`_onednn_u8s8`), else from oneDNN's fp32 matmul over the int8 values widened (``"float"``: exact in
+      chunks of :data:`FLOAT_EXACT_K` inputs, :func:`_float_sums`), else from ``torch._int_mm``. Fuses as
+      ``int8_rows`` does.
 
     ``dtype`` is the dtype of the layer's inputs and outputs (``weight`` is int8 in the int8 layouts).
     """
@@ -118,12 +120,19 @@ class PackedLinear(torch.nn.Module):
         bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         packed = _onednn_u8s8(qdata) if layout == "int8_dynamic" else None
-        self.onednn_u8 = packed is not None
+        self.sums = None  # where an int8_dynamic layer's int32 sums come from
+        if layout == "int8_dynamic":
+            self.sums = "onednn_u8" if packed is not None else "float" if _float_sums_exact(qdata) else "int_mm"
         if packed is not None:  # oneDNN's own layout of the weight for its u8s8 product
             qdata = packed
             self.register_buffer("_ones", torch.ones(self.out_features))
             self.register_buffer("_zeros", torch.zeros(self.out_features, dtype=torch.int32))
         self.weight = torch.nn.Parameter(qdata, requires_grad=False)
+
+    @property
+    def onednn_u8(self) -> bool:
+        """Whether oneDNN's u8s8 quantized linear computes this int8_dynamic layer's sums."""
+        return self.sums == "onednn_u8"
 
     @property
     def own(self) -> bool:
@@ -164,7 +173,7 @@ class PackedLinear(torch.nn.Module):
     def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if x.dtype == torch.float32:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.weight.float(), None, "none", [None], "") * self.scale
+            y = _widened_product(rows.contiguous(), self.weight, self.in_features).mul_(self.scale)
         elif rows.shape[0] <= INT8_PACK_ROWS:
             y = torch._weight_int8pack_mm(rows.contiguous(), self.weight, self.scale)
         else:  # torchao's weight-only product (torchao/quantization/quantize_/workflows/int8/int8_tensor.py)
@@ -183,6 +192,8 @@ class PackedLinear(torch.nn.Module):
         if self.onednn_u8:  # q + 128 as uint8 (a flip of the sign bit) against a zero point of 128
             y = _qlinear_sums(q.view(torch.uint8).bitwise_xor_(128), self.weight, self._ones, self._zeros)
             y.mul_(x_scale)
+        elif self.sums == "float":
+            y = _float_sums(q, self.weight).mul_(x_scale)
         else:
             y = torch._int_mm(q, self.weight.t()) * x_scale  # int32 * fp32: fp32
         if x.dtype != torch.float32:
@@ -422,6 +433,69 @@ def _qlinear_sums(rows_u8: torch.Tensor, packed: torch.Tensor, ones: torch.Tenso
                                               "none", [], "")  # fmt: skip
 
 
+def _extreme_rows(k: int) -> torch.Tensor:
+    """8 rows of ``k`` int8 values at the range's ends (int32): +-127, every third -128, the first all 127."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 2, (8, k), generator=g, dtype=torch.int32).mul_(254).sub_(127)  # +-127
+    rows[:, ::3] = -128
+    rows[0] = 127  # every uint8 at 255: the largest pair sums any input gives (a saturating CPU fails this row)
+    return rows
+
+
+# Inputs a float product of int8 values takes at once: each partial sum an integer of at most 1024 * 128 * 128 =
+# 2**24 in magnitude, exact in fp32 whatever the order of summation.
+FLOAT_EXACT_K = 1024
+
+
+# Weight values a product over widened int8 weights converts at a time (2 MiB of fp32: in L2 or L3 while used)
+_FLOAT_TILE = 512 * 1024
+
+
+def _widened_product(rows: torch.Tensor, weight: torch.Tensor, kc: int) -> torch.Tensor:
+    """fp32 ``rows`` ([m, k]) times the int8 ``weight`` ([n, k]) transposed, in fp32: oneDNN's matmul over the
+    weight widened a tile at a time into one buffer (widening it whole wrote 4 bytes a weight to fresh pages at
+    every call: an LM head's 16M weights took 30 ms against 4.4 a row on a 2-core Zen 3 VM). ``kc`` < ``k`` splits
+    the inputs into tiles of ``kc`` whose products are integers, added in int32 (:func:`_float_sums`)."""
+    linear = torch.ops.mkldnn._linear_pointwise
+    (m, k), n = rows.shape, weight.shape[0]
+    kc = min(k, kc)
+    nc = max(1, min(n, _FLOAT_TILE // kc))
+    buf = torch.empty(nc * kc)
+    out = torch.empty(m, n) if k == kc else torch.zeros(m, n, dtype=torch.int32)
+    for n0 in range(0, n, nc):
+        n1 = min(n, n0 + nc)
+        for k0 in range(0, k, kc):
+            k1 = min(k, k0 + kc)
+            tile = buf[: (n1 - n0) * (k1 - k0)].view(n1 - n0, k1 - k0)
+            tile.copy_(weight[n0:n1, k0:k1])
+            if k == kc:
+                out[:, n0:n1] = linear(rows, tile, None, "none", [None], "")
+            else:
+                out[:, n0:n1] += linear(rows[:, k0:k1].contiguous(), tile, None, "none", [None], "").to(torch.int32)
+    return out if k == kc else out.float()
+
+
+def _float_sums(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The int32 sums of int8 rows ``q`` times the int8 ``weight`` ([out, in]) as fp32, as
+    ``torch._int_mm(q, weight.t())`` converted: fp32 products of the widened values (:func:`_widened_product`) over
+    tiles of at most :data:`FLOAT_EXACT_K` inputs, added in int32. For CPUs without VNNI, whose ``torch._int_mm``
+    is a slow loop: on a 2-core Zen 3 VM, 16 rows x 512 x 2,816 0.86 ms (``_int_mm`` 7.9), 1 row 0.44 (0.48)."""
+    return _widened_product(q.float(), weight, FLOAT_EXACT_K)
+
+
+def _float_sums_exact(qdata: torch.Tensor) -> bool:
+    """Whether :func:`_float_sums` gives ``torch._int_mm``'s sums over ``qdata``: a matmul that accumulates below
+    fp32 would not. (Inputs rounded to bf16 or TF32 on the way would not matter: int8 values are exact there.)"""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    rows = _extreme_rows(qdata.shape[1]).to(torch.int8)
+    try:
+        return torch.equal(_float_sums(rows, qdata), torch._int_mm(rows, qdata.t()).float())
+    except RuntimeError as exc:
+        log.info("int8 products by torch._int_mm: oneDNN's fp32 matmul failed (%s)", exc)
+        return False
+
+
 def _onednn_u8s8(qdata: torch.Tensor) -> torch.Tensor | None:
     """``qdata`` packed for oneDNN's quantized linear (``torch.ops.onednn.qlinear_pointwise``: unsigned int8 inputs
     with a zero point, the weight in oneDNN's own layout), or ``None`` where that product does not give
@@ -432,16 +506,13 @@ def _onednn_u8s8(qdata: torch.Tensor) -> torch.Tensor | None:
     64: 1.03 (1.23), 128: 2.1 (2.15); the engine's bf16 kernel 0.25, 0.59, 1.84, 3.5."""
     if not hasattr(torch.ops.onednn, "qlinear_prepack") or not torch.backends.mkldnn.is_available():
         return None
-    g = torch.Generator().manual_seed(0)
-    rows = torch.randint(0, 2, (8, qdata.shape[1]), generator=g, dtype=torch.int32).mul_(254).sub_(127)  # +-127
-    rows[:, ::3] = -128
-    rows[0] = 127  # every uint8 at 255: the largest pair sums any input gives (a saturating CPU fails this row)
+    rows = _extreme_rows(qdata.shape[1])
     try:
         packed = torch.ops.onednn.qlinear_prepack(qdata, None)
         n = qdata.shape[0]
         sums = _qlinear_sums(rows.add(128).to(torch.uint8), packed, torch.ones(n), torch.zeros(n, dtype=torch.int32))
     except RuntimeError as exc:
-        log.info("int8 products by torch._int_mm: oneDNN's quantized linear failed (%s)", exc)
+        log.info("int8 products without oneDNN's quantized linear: it failed (%s)", exc)
         return None
     return packed if torch.equal(sums, torch._int_mm(rows.to(torch.int8), qdata.t()).float()) else None
 

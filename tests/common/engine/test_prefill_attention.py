@@ -2,11 +2,11 @@
 float on AVX2 CPUs (``torch.ops.pdserve.prefill_attention``, ``paged_prefill_attention``:
 common/engine/csrc/prefill_attention.cpp). The kernels against float64 attention: in bf16 within 1.6x of the error
 of that exact result rounded to bf16 (torch's CPU flash attention is as far off: both round the probabilities to
-bf16 for their products, the AVX2 path does not; 1.1-1.4x measured here, a scale 1% off 3.7-6.9x), in fp32 within 2e-5 of it: several prompts packed, an empty one,
-grouped-query heads, head sizes 16 to 128, sliding windows, the strided views of a fused q|k|v product, chunks
-after prefixes read from a paged cache; bad arguments raise. In an engine: every layer of a prefill step runs them
-(checked once against SDPA or the gathered path), bf16 logits within bf16 rounding of stock bf16's, fp32 tokens
-stock ``generate``'s, and ``prefill_attention`` chooses them or not."""
+bf16 for their products, the AVX2 path does not; 1.1-1.4x measured here, a scale 1% off 3.7-6.9x), in fp32 within
+2e-5 of it: several prompts packed, an empty one, grouped-query heads, head sizes 16 to 128, sliding windows, the
+strided views of a fused q|k|v product, chunks after prefixes read from a paged cache; bad arguments raise. In an
+engine: every layer of a prefill step runs them (checked once against SDPA or the gathered path), bf16 logits within
+bf16 rounding of stock bf16's, fp32 tokens stock ``generate``'s, and ``prefill_attention`` chooses them or not."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, i
 
 def needs(dtype: torch.dtype) -> None:
     if not torch.ops.pdserve.prefill_attention_supported(dtype):
-        pytest.skip(f"no {dtype} prefill attention kernel on this CPU (AVX2 and FMA, or AVX-512 with AVX512-BF16 for bf16)")
+        pytest.skip(f"no {dtype} prefill attention kernel on this CPU (AVX2 and FMA, or AVX-512 with AVX512-BF16 for "
+                    "bf16)")
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:

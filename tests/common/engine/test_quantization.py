@@ -147,15 +147,18 @@ def test_an_int8_layer_computes_what_torchao_does(dtype):
                     assert torch.allclose(a.float(), w.float(), rtol=0.02, atol=0.02) and torch.equal(a, b), rows
 
 
-@pytest.mark.parametrize("onednn", [True, False], ids=["onednn-u8s8", "int_mm"])
+@pytest.mark.parametrize("sums", ["onednn_u8", "float", "int_mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_dynamic_int8_layer_computes_what_torchao_does_bit_for_bit(dtype, onednn, monkeypatch):
+def test_a_dynamic_int8_layer_computes_what_torchao_does_bit_for_bit(dtype, sums, monkeypatch):
     """W8A8 layers (alone, and siblings fused into one product) against torchao's own product, for any row count,
-    with weights and inputs at the int8 range's ends (sums past 2**24; a CPU whose u8s8 pair sums saturate)."""
-    if not onednn:
+    with weights and inputs at the int8 range's ends (sums past 2**24; a CPU whose u8s8 pair sums saturate), by
+    each source of the int32 sums."""
+    if sums != "onednn_u8":
         monkeypatch.setattr(cpu_linear, "_onednn_u8s8", lambda qdata: None)
+        if sums == "int_mm":
+            monkeypatch.setattr(cpu_linear, "_float_sums_exact", lambda qdata: False)
     elif cpu_linear._onednn_u8s8(torch.full((8, 64), 127, dtype=torch.int8)) is None:  # pair sums past 2**15
-        pytest.skip("oneDNN's u8s8 product is not exact on this CPU: its layers take torch._int_mm (the other case)")
+        pytest.skip("oneDNN's u8s8 product is not exact on this CPU: its layers take float sums (another case)")
     g = torch.Generator().manual_seed(1)
     layers = [torch.nn.Linear(2816, n, bias=bias, dtype=dtype) for n, bias in ((48, True), (16, True), (40, True))]
     with torch.no_grad():
@@ -165,7 +168,7 @@ def test_a_dynamic_int8_layer_computes_what_torchao_does_bit_for_bit(dtype, oned
     packed = [PackedLinear(m) for m in stock]
     fused = PackedLinear.concatenated(list(stock))
     assert {p.layout for p in (*packed, fused)} == {"int8_dynamic"}
-    assert {p.onednn_u8 for p in (*packed, fused)} == ({True} if onednn else {False})
+    assert {p.sums for p in (*packed, fused)} == {sums}
     with torch.inference_mode():
         for rows in (1, 3, 17, 64):
             x = (torch.randn(rows, 2816, generator=g) * 4).to(dtype)
@@ -176,6 +179,30 @@ def test_a_dynamic_int8_layer_computes_what_torchao_does_bit_for_bit(dtype, oned
                 assert torch.equal(p(x), w) and torch.equal(t, w), rows
             x3 = x.reshape(1, rows, 2816)  # a batch dimension: rows quantized one by one still
             assert torch.equal(packed[1](x3)[0], want[1])
+
+
+def test_float_sums_are_exact_in_chunks_and_refused_where_they_would_round(monkeypatch):
+    """Each chunk of FLOAT_EXACT_K products sums exactly in fp32. Past it, partial sums beyond 2**24 round: one
+    matmul over all the inputs is off (by 4 here). A matmul that rounds its sums is refused at packing."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(100, 128, (4, 3 * 1024 + 5), generator=g, dtype=torch.int32).to(torch.int8)
+    w = torch.randint(100, 128, (8, q.shape[1]), generator=g, dtype=torch.int32).to(torch.int8)
+    w[1::2] *= -1
+    want = torch._int_mm(q, w.t()).float()
+    one = torch.ops.mkldnn._linear_pointwise(q.float(), w.float(), None, "none", [None], "")
+    assert not torch.equal(one, want)  # what chunks avoid
+    assert torch.equal(cpu_linear._float_sums(q, w), want) and cpu_linear._float_sums_exact(w)
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: real(*a).bfloat16().float())
+    assert not cpu_linear._float_sums_exact(torch.randint(-128, 128, (16, 64), dtype=torch.int8))
+
+
+def test_a_cpu_without_exact_u8s8_sums_takes_float_sums():
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    quantize_model(layer, DYN)
+    packed = PackedLinear(layer[0])
+    exact_u8s8 = cpu_linear._onednn_u8s8(torch.full((8, 64), 127, dtype=torch.int8)) is not None
+    assert packed.sums == ("onednn_u8" if exact_u8s8 else "float")
 
 
 def test_onednn_u8s8_is_used_only_where_it_computes_the_exact_sums(monkeypatch):
