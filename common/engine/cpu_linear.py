@@ -130,11 +130,6 @@ class PackedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(qdata, requires_grad=False)
 
     @property
-    def onednn_u8(self) -> bool:
-        """Whether oneDNN's u8s8 quantized linear computes this int8_dynamic layer's sums."""
-        return self.sums == "onednn_u8"
-
-    @property
     def own(self) -> bool:
         """Whether the engine's own kernel runs this layer (not oneDNN)."""
         return self.layout != "onednn"
@@ -189,7 +184,7 @@ class PackedLinear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         x_scale = (rows.abs().amax(dim=1, keepdim=True) / 127.5).clamp(min=_INT8_EPS).float()
         q = torch.round(rows * (1.0 / x_scale)).clamp_(-128, 127).to(torch.int8)
-        if self.onednn_u8:  # q + 128 as uint8 (a flip of the sign bit) against a zero point of 128
+        if self.sums == "onednn_u8":  # q + 128 as uint8 (a flip of the sign bit) against a zero point of 128
             y = _qlinear_sums(q.view(torch.uint8).bitwise_xor_(128), self.weight, self._ones, self._zeros)
             y.mul_(x_scale)
         elif self.sums == "float":

@@ -49,6 +49,7 @@
 #endif
 
 #include "amx.h"
+#include "bf16.h"
 
 #if defined(PDSERVE_AMX) && defined(__AVX512BF16__)
 #define PDSERVE_AMX_ATTENTION 1
@@ -556,11 +557,11 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
 
 #elif defined(PDSERVE_PREFILL_AVX2)
 // AVX2 (CPUs without AVX-512: Zen 2 and 3, older Xeons), 8 floats a vector and 16 registers. Both dtypes compute
-// in float: bf16 K and V rows are widened as they are packed, a row group's queries as it starts, and the
+// in float: bf16 K and V rows are widened as they are packed, an item's queries as it starts, and the
 // probabilities stay float (torch's bf16 flash attention rounds them to bf16). Packed as above with float units:
-// K as [key block][dim][64 keys], V as [key][dim]. Per group of 4 query rows and key block: the scores 16 keys at a
-// time (8 accumulators), the online softmax over the block, then the outputs 16 dims at a time. Keys of a block
-// past the group's last row are neither scored nor weighed.
+// K as [key block][dim][64 keys], V as [key][dim]. An item walks its key blocks, and per block its groups of 6
+// query rows: the scores 16 keys at a time, the online softmax over the block, then the outputs 16 dims at a time.
+// Keys of a block past a group's last row are neither scored nor weighed.
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -590,69 +591,58 @@ inline __m256 exp2_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// 8 floats to bf16, rounded to nearest even (finite values)
-inline void store_bf16(c10::BFloat16* dst, __m256 y) {
-  __m256i b = _mm256_castps_si256(y);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), halves);
-}
-
 // Register blocks of 6 rows x 16 keys (scores) or x 16 dims (outputs): 12 accumulators, 2 vectors of keys or values
 // and a broadcast take 15 of the 16 registers; 8 loads a 12 FMAs. (3 x 32: 17 registers, and GCC read the keys
 // from memory at every FMA.)
 constexpr int RS2 = 6;  // rows a register block
-constexpr int SK = 2;   // key vectors a score chunk
-constexpr int SD = 2;   // dim vectors an output chunk
 
-// s[r][0, keys) = q[r] . K[key] over one packed block, 8 * SK keys at a time; keys a multiple of that.
+// s[r][0, keys) = q[r] . K[key] over one packed block (q: R rows of dim floats), 16 keys at a time; keys a
+// multiple of 16.
 template <int R>
-inline void score_rows(float (*s)[BK], const float* q, int64_t q_s, const uint32_t* kb, int64_t dim, int64_t keys) {
-  for (int64_t c = 0; c < keys; c += 8 * SK) {
-    __m256 a[R][SK];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < SK; ++v) a[r][v] = _mm256_setzero_ps();
+inline void score_rows(float (*s)[BK], const float* q, const uint32_t* kb, int64_t dim, int64_t keys) {
+  for (int64_t c = 0; c < keys; c += 16) {
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (int64_t u = 0; u < dim; ++u) {
       const float* k = reinterpret_cast<const float*>(kb + u * BK + c);
-      __m256 kv[SK];
-      for (int v = 0; v < SK; ++v) kv[v] = _mm256_loadu_ps(k + 8 * v);
+      const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8);
       for (int r = 0; r < R; ++r) {
-        const __m256 qb = _mm256_broadcast_ss(q + r * q_s + u);
-        for (int v = 0; v < SK; ++v) a[r][v] = _mm256_fmadd_ps(qb, kv[v], a[r][v]);
+        const __m256 qb = _mm256_broadcast_ss(q + r * dim + u);
+        a[r][0] = _mm256_fmadd_ps(qb, k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(qb, k1, a[r][1]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < SK; ++v) _mm256_storeu_ps(s[r] + c + 8 * v, a[r][v]);
-  }
-}
-
-// o[r][d0, d0 + 8 NC) = o * alpha[r] + sum over keys [0, keys) of p[r][key] V[key]
-template <int R, int NC>
-inline void weigh_chunk(float* o, int64_t dim, int64_t d0, const float* alpha, const float (*p)[BK], const float* vb,
-                        int64_t keys) {
-  __m256 acc[R][NC];
-  for (int r = 0; r < R; ++r) {
-    const __m256 a = _mm256_set1_ps(alpha[r]);
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(o + r * dim + d0 + 8 * c), a);
-  }
-  for (int64_t j = 0; j < keys; ++j) {
-    __m256 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = _mm256_loadu_ps(vb + j * dim + d0 + 8 * c);
     for (int r = 0; r < R; ++r) {
-      const __m256 pb = _mm256_broadcast_ss(&p[r][j]);
-      for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_fmadd_ps(pb, vv[c], acc[r][c]);
+      _mm256_storeu_ps(s[r] + c, a[r][0]);
+      _mm256_storeu_ps(s[r] + c + 8, a[r][1]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + r * dim + d0 + 8 * c, acc[r][c]);
 }
 
+// o[r] = o[r] * alpha[r] + sum over keys [0, keys) of p[r][key] V[key], 16 dims at a time (dims are whole 16s)
 template <int R>
 inline void weigh_rows(float* o, int64_t dim, const float* alpha, const float (*p)[BK], const float* vb,
                        int64_t keys) {
-  static_assert(SD == 2, "dims are whole 16s");
-  for (int64_t d = 0; d < dim; d += 8 * SD) weigh_chunk<R, SD>(o, dim, d, alpha, p, vb, keys);
+  for (int64_t d = 0; d < dim; d += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_set1_ps(alpha[r]);
+      acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(o + r * dim + d), a);
+      acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(o + r * dim + d + 8), a);
+    }
+    for (int64_t j = 0; j < keys; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vb + j * dim + d), v1 = _mm256_loadu_ps(vb + j * dim + d + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pb = _mm256_broadcast_ss(&p[r][j]);
+        acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(o + r * dim + d, acc[r][0]);
+      _mm256_storeu_ps(o + r * dim + d + 8, acc[r][1]);
+    }
+  }
 }
 
 // R rows of an item at positions pos.. (q their widened queries, o their outputs: R x dim floats) over key block
@@ -662,9 +652,9 @@ void rows_over_block(const Layout<T>& L, int64_t pos, int64_t kb, bool masked, c
                      const uint32_t* vp, float* o, float* m, __m256* l) {
   const int64_t last = pos + R - 1;
   const int64_t keys = std::min<int64_t>(BK, last - kb * BK + 1);  // visible to some row of the group
-  const int64_t vecs = (keys + 7) / 8, scored = (keys + 8 * SK - 1) / (8 * SK) * (8 * SK);
+  const int64_t vecs = (keys + 7) / 8;
   alignas(32) float s[RS2][BK];
-  score_rows<R>(s, q, L.dim, kp + kb * L.dim * BK, L.dim, scored);
+  score_rows<R>(s, q, kp + kb * L.dim * BK, L.dim, (keys + 15) / 16 * 16);
   const __m256 scale = _mm256_set1_ps(L.scale_log2), neg = _mm256_set1_ps(NEG);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   alignas(32) float diff[8] = {}, alpha[8];
@@ -713,14 +703,14 @@ template <typename T>
 void attend_item(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_t i0, int64_t i1,
                  const uint32_t* kp, const uint32_t* vp) {
   const int64_t n = i1 - i0, dim = L.dim;
-  std::unique_ptr<float[]> buf(new float[2 * BQ * dim + 8]);  // the rows' float queries, then their outputs
+  std::unique_ptr<float[]> buf(new float[2 * BQ * dim]);  // the rows' float queries, then their outputs
   float* q = buf.get();
   float* o = q + BQ * dim;
   alignas(32) float m[BQ];
   __m256 l[BQ];
   for (int64_t r = 0; r < n; ++r) {
     const T* row = L.q + (t0 + i0 + r) * L.q_s0 + h * L.q_s1;
-    for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = static_cast<float>(row[d]);
+    for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = pdserve::to_float(row[d]);
     m[r] = NEG, l[r] = _mm256_setzero_ps();
   }
   std::fill(o, o + n * dim, 0.f);
@@ -745,15 +735,9 @@ void attend_item(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_
     }
   }
   for (int64_t r = 0; r < n; ++r) {
-    const __m256 inv = _mm256_set1_ps(1.f / hsum(l[r]));
+    const float inv = 1.f / hsum(l[r]);
     T* dst = L.out + (t0 + i0 + r) * L.o_s0 + h * L.o_s1;
-    for (int64_t d = 0; d < dim; d += 8) {
-      const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(o + r * dim + d), inv);
-      if constexpr (std::is_same_v<T, float>)
-        _mm256_storeu_ps(dst + d, y);
-      else
-        store_bf16(dst + d, y);
-    }
+    for (int64_t d = 0; d < dim; ++d) dst[d] = pdserve::round_to<T>(o[r * dim + d] * inv);
   }
 }
 static_assert(RS2 == 6, "attend_item's groups of 1 to 6 rows");
