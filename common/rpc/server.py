@@ -11,6 +11,7 @@ certificate signed by the CA when the files name one) and a channel dials with m
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import threading
@@ -245,8 +246,27 @@ def channel(address: str, tls: TlsFiles | None = None, *, use_asyncio: bool = Fa
 def stop_on_signals(stop_event: threading.Event) -> None:
     """SIGTERM and SIGINT set ``stop_event`` (a drain) instead of killing the process; call it before the server
     serves, and wait on the event with a timeout (a signal the kernel hands to another thread runs its handler
-    only once the main thread runs bytecode). Off the main thread (a service run inside tests) it does nothing."""
+    only once the main thread runs bytecode). Off the main thread (a service run inside tests) it does nothing.
+
+    The handler does not set the event itself. Python runs it on the main thread between two bytecodes, which may
+    fall inside ``stop_event.wait()`` while that thread holds the event's lock, and ``set()`` would then wait for
+    that lock forever (a ``pdserve up`` hung so at Ctrl-C, once in CI). It writes a byte to a pipe, which takes
+    no lock, and a daemon thread that reads the pipe sets the event."""
     if threading.current_thread() is not threading.main_thread():
         return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def relay() -> None:
+        while os.read(read_fd, 1):
+            stop_event.set()
+
+    def handler(signum, frame) -> None:
+        try:
+            os.write(write_fd, b"s")
+        except BlockingIOError:  # a full pipe: signals enough are on their way to the relay
+            pass
+
+    threading.Thread(target=relay, name="stop-on-signals", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop_event.set())
+        signal.signal(sig, handler)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 import threading
@@ -122,6 +121,7 @@ def up(args: argparse.Namespace) -> int:
     from common.cluster.net import free_port as any_free_port
     from common.cluster.net import wait_for_grpc_health
     from common.cluster.supervisor import Supervisor
+    from common.rpc.server import stop_on_signals
 
     if args.prefill < 1 or args.decode < 1:
         raise ValueError(f"a cluster needs >= 1 prefill and >= 1 decode worker, got {args.prefill}, {args.decode}")
@@ -137,8 +137,7 @@ def up(args: argparse.Namespace) -> int:
     tls_args, client_tls = _write_tls(args.tls_dir, worker_names) if args.tls_dir else ({}, None)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     py = [sys.executable, "-m", "pdserve", "--log-level", "INFO"]
     given: set[int] = set()
 
