@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from tests.cli import REPO
 
 READY_TIMEOUT_S = 240
+STOP_TIMEOUT_S = 60  # its own grace: 30 s, then SIGKILL
 
 
 @contextmanager
@@ -36,7 +37,13 @@ def pdserve_up(*args: str) -> Iterator[dict]:
         yield info
     finally:
         proc.send_signal(signal.SIGINT)
-        info["returncode"] = proc.wait(60)
+        try:
+            info["returncode"] = proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # its children die with it (PR_SET_PDEATHSIG): nothing is left running
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"pdserve up did not stop within {STOP_TIMEOUT_S} s of Ctrl-C: "
+                               f"{''.join(stderr)[-3000:]}") from None
 
 
 def generate_concurrently(router: str, prompts: list[list[int]], max_tokens: list[int],
