@@ -72,18 +72,22 @@ class PackedLinear(torch.nn.Module):
     - ``"int8_rows"``: a weight torchao quantized to int8 with one scale per output feature
       (``--quantization int8-weight-only``, common/engine/quantization.py), kept as its int8 values and scales:
       bf16 products of up to :data:`INT8_PACK_ROWS` rows by ``torch._weight_int8pack_mm``, larger ones as torchao
-      computes them, fp32 ones by oneDNN over the weight widened a tile at a time at each call. As PackedLinears an
+      computes them, fp32 ones over the weight widened a tile at a time at each call: by the engine's fp32 kernel
+      where it was built (``blocked``: the int8 values kept in its 16-feature blocks, :func:`_blocked_product`),
+      else by oneDNN. As PackedLinears an
       int8 model's projections fuse as a full-precision model's do (q|k|v, gate|up: per-row scales concatenate
       exactly), and its layers run in the engine's fused modules and flat layer loop.
     - ``"int8_dynamic"``: the same int8 weight with dynamic per-token quantization of the inputs
       (``--quantization int8-dynamic``, W8A8): each input row rounded to int8 on its own scale, the products
       summed in int32 and scaled back as torchao does, bit for bit. The sums come from oneDNN's quantized linear
       over its own packing of the weight (``sums == "onednn_u8"``, where it computes them exactly:
-      :func:`_onednn_u8s8`), else from oneDNN's fp32 matmul over the int8 values widened (``"float"``: exact in
-      chunks of :data:`FLOAT_EXACT_K` inputs, :func:`_float_sums`), else from ``torch._int_mm``. Fuses as
+      :func:`_onednn_u8s8`), else from an fp32 product over the int8 values widened (``"float"``: exact in
+      chunks of :data:`FLOAT_EXACT_K` inputs, :func:`_float_sums`; ``blocked`` as in ``int8_rows``), else from
+      ``torch._int_mm``. Fuses as
       ``int8_rows`` does.
 
-    ``dtype`` is the dtype of the layer's inputs and outputs (``weight`` is int8 in the int8 layouts).
+    ``dtype`` is the dtype of the layer's inputs and outputs (``weight`` is int8 in the int8 layouts: [out, in], or
+    [out / 16 rounded up, in, 16] where ``blocked``).
     """
 
     def __init__(self, linear: torch.nn.Linear, kernel: bool = False, prefill: bool = False) -> None:
@@ -93,7 +97,7 @@ class PackedLinear(torch.nn.Module):
         self.dtype = linear.weight.dtype
         int8 = _int8_layout(linear)
         if int8 is not None:
-            self._set_int8(int8, [linear])
+            self._set_int8(int8, [linear], kernel)
             return
         weight = linear.weight.detach()
         self.layout = _own_layout(weight, prefill) if kernel else "onednn"
@@ -109,10 +113,13 @@ class PackedLinear(torch.nn.Module):
             bias = bias.float()
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
-    def _set_int8(self, layout: str, linears: list[torch.nn.Linear]) -> None:
-        """Take the int8 values, scales and biases of ``linears`` (torchao's, one layout), side by side."""
+    def _set_int8(self, layout: str, linears: list[torch.nn.Linear], kernel: bool = False) -> None:
+        """Take the int8 values, scales and biases of ``linears`` (torchao's, one layout), side by side. ``kernel``:
+        products in fp32 arrange the values in the 16-feature blocks of ``torch.ops.pdserve.fp32_linear``
+        (``blocked``), where that kernel was built."""
         self.layout = layout
         qdata = torch.cat([m.weight.qdata.detach() for m in linears]).contiguous()
+        fp32_kernel = kernel and qdata.device.type == "cpu" and torch.ops.pdserve.fp32_linear_supported()
         scale = torch.cat([m.weight.scale.detach().reshape(-1) for m in linears])
         self.out_features = qdata.shape[0]
         # weight-only: torchao scales in the activation dtype; dynamic: in its own (fp32), as it multiplies
@@ -121,9 +128,14 @@ class PackedLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         packed = _onednn_u8s8(qdata) if layout == "int8_dynamic" else None
         self.sums = None  # where an int8_dynamic layer's int32 sums come from
-        if layout == "int8_dynamic":
-            self.sums = "onednn_u8" if packed is not None else "float" if _float_sums_exact(qdata) else "int_mm"
-        if packed is not None:  # oneDNN's own layout of the weight for its u8s8 product
+        if layout == "int8_dynamic" and packed is None:
+            self.sums = "float" if _float_sums_exact(qdata, fp32_kernel) else "int_mm"
+        elif layout == "int8_dynamic":
+            self.sums = "onednn_u8"
+        self.blocked = fp32_kernel and (self.sums == "float" or layout == "int8_rows" and self.dtype == torch.float32)
+        if self.blocked:
+            qdata = _int8_blocks(qdata)
+        elif packed is not None:  # oneDNN's own layout of the weight for its u8s8 product
             qdata = packed
             self.register_buffer("_ones", torch.ones(self.out_features))
             self.register_buffer("_zeros", torch.zeros(self.out_features, dtype=torch.int32))
@@ -142,7 +154,7 @@ class PackedLinear(torch.nn.Module):
             fused = cls.__new__(cls)
             torch.nn.Module.__init__(fused)
             fused.in_features, fused.dtype = linears[0].in_features, linears[0].weight.dtype
-            fused._set_int8(int8, linears)
+            fused._set_int8(int8, linears, kernel)
             return fused
         cat = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                               bias=linears[0].bias is not None, device="meta")  # fmt: skip
@@ -168,7 +180,8 @@ class PackedLinear(torch.nn.Module):
     def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if x.dtype == torch.float32:
-            y = _widened_product(rows.contiguous(), self.weight, self.in_features).mul_(self.scale)
+            y = _fp32_product(rows.contiguous(), self.weight, self.out_features, self.in_features, self.blocked)
+            y.mul_(self.scale)
         elif rows.shape[0] <= INT8_PACK_ROWS:
             y = torch._weight_int8pack_mm(rows.contiguous(), self.weight, self.scale)
         else:  # torchao's weight-only product (torchao/quantization/quantize_/workflows/int8/int8_tensor.py)
@@ -188,7 +201,7 @@ class PackedLinear(torch.nn.Module):
             y = _qlinear_sums(q.view(torch.uint8).bitwise_xor_(128), self.weight, self._ones, self._zeros)
             y.mul_(x_scale)
         elif self.sums == "float":
-            y = _float_sums(q, self.weight).mul_(x_scale)
+            y = _float_sums(q, self.weight, self.out_features, self.blocked).mul_(x_scale)
         else:
             y = torch._int_mm(q, self.weight.t()) * x_scale  # int32 * fp32: fp32
         if x.dtype != torch.float32:
@@ -470,22 +483,64 @@ def _widened_product(rows: torch.Tensor, weight: torch.Tensor, kc: int) -> torch
     return out if k == kc else out.float()
 
 
-def _float_sums(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The int32 sums of int8 rows ``q`` times the int8 ``weight`` ([out, in]) as fp32, as
+def _int8_blocks(qdata: torch.Tensor) -> torch.Tensor:
+    """int8 ``qdata`` ([n, k]) arranged as :func:`torch.ops.pdserve.pack_fp32_blocks` arranges floats: [n / 16
+    (rounded up), k, 16], zeros past feature n. Widened, a slice of it is that kernel's packed weight."""
+    n, k = qdata.shape
+    padded = torch.zeros((n + 15) // 16 * 16, k, dtype=torch.int8)
+    padded[:n] = qdata
+    return padded.view(-1, 16, k).permute(0, 2, 1).contiguous()
+
+
+def _blocked_product(rows: torch.Tensor, blocks: torch.Tensor, n: int, kc: int) -> torch.Tensor:
+    """:func:`_widened_product` over int8 ``blocks`` (:func:`_int8_blocks` of a weight of ``n`` features): each tile
+    of whole blocks widened into one buffer and multiplied by the engine's ``fp32_linear``, which reads it as packed
+    (on a 2-core Zen 3 VM, 1 to 16 rows by 512 x 1,024 to 1,024 x 2,816: 1.5-2.6x oneDNN over plain tiles; 2,048
+    rows: 0.9-1.2x)."""
+    (m, k), nb = rows.shape, blocks.shape[0]
+    kc = min(k, kc)
+    per = max(1, min(nb, _FLOAT_TILE // (16 * kc)))
+    buf = torch.empty(per * kc * 16)
+    out = torch.empty(m, n) if k == kc else torch.zeros(m, n, dtype=torch.int32)
+    for b0 in range(0, nb, per):
+        b1 = min(nb, b0 + per)
+        n0, n1 = 16 * b0, min(n, 16 * b1)
+        for k0 in range(0, k, kc):
+            k1 = min(k, k0 + kc)
+            tile = buf[: (b1 - b0) * (k1 - k0) * 16].view(b1 - b0, k1 - k0, 16)
+            tile.copy_(blocks[b0:b1, k0:k1])
+            if k == kc:
+                out[:, n0:n1] = torch.ops.pdserve.fp32_linear(rows, tile, None, n1 - n0)
+            else:
+                part = torch.ops.pdserve.fp32_linear(rows[:, k0:k1].contiguous(), tile, None, n1 - n0)
+                out[:, n0:n1] += part.to(torch.int32)
+    return out if k == kc else out.float()
+
+
+def _fp32_product(rows: torch.Tensor, weight: torch.Tensor, n: int, kc: int, blocked: bool) -> torch.Tensor:
+    """fp32 ``rows`` times an int8 weight of ``n`` features (plain, or :func:`_int8_blocks` where ``blocked``)."""
+    return _blocked_product(rows, weight, n, kc) if blocked else _widened_product(rows, weight, kc)
+
+
+def _float_sums(q: torch.Tensor, weight: torch.Tensor, n: int | None = None, blocked: bool = False) -> torch.Tensor:
+    """The int32 sums of int8 rows ``q`` times the int8 ``weight`` ([out, in], or :func:`_int8_blocks` of ``n``
+    features where ``blocked``: :func:`_blocked_product`) as fp32, as
     ``torch._int_mm(q, weight.t())`` converted: fp32 products of the widened values (:func:`_widened_product`) over
     tiles of at most :data:`FLOAT_EXACT_K` inputs, added in int32. For CPUs without VNNI, whose ``torch._int_mm``
     is a slow loop: on a 2-core Zen 3 VM, 16 rows x 512 x 2,816 0.86 ms (``_int_mm`` 7.9), 1 row 0.44 (0.48)."""
-    return _widened_product(q.float(), weight, FLOAT_EXACT_K)
+    return _fp32_product(q.float(), weight, weight.shape[0] if n is None else n, FLOAT_EXACT_K, blocked)
 
 
-def _float_sums_exact(qdata: torch.Tensor) -> bool:
-    """Whether :func:`_float_sums` gives ``torch._int_mm``'s sums over ``qdata``: a matmul that accumulates below
-    fp32 would not. (Inputs rounded to bf16 or TF32 on the way would not matter: int8 values are exact there.)"""
+def _float_sums_exact(qdata: torch.Tensor, blocked: bool = False) -> bool:
+    """Whether :func:`_float_sums` (over the weight's blocks where ``blocked``) gives ``torch._int_mm``'s sums over
+    ``qdata``: a matmul that accumulates below fp32 would not. (Inputs rounded to bf16 or TF32 on the way would not
+    matter: int8 values are exact there.)"""
     if not torch.backends.mkldnn.is_available():
         return False
     rows = _extreme_rows(qdata.shape[1]).to(torch.int8)
     try:
-        return torch.equal(_float_sums(rows, qdata), torch._int_mm(rows, qdata.t()).float())
+        weight = _int8_blocks(qdata) if blocked else qdata
+        return torch.equal(_float_sums(rows, weight, qdata.shape[0], blocked), torch._int_mm(rows, qdata.t()).float())
     except RuntimeError as exc:
         log.info("int8 products by torch._int_mm: oneDNN's fp32 matmul failed (%s)", exc)
         return False

@@ -121,16 +121,25 @@ def test_packing_keeps_an_int8_layer_int8(caplog):
     assert caplog.records == []  # no failed attempt on the int8 layer
 
 
+def _fp32_kernel(kernel: bool) -> None:
+    if kernel and not (cpu_kernels.load() and torch.ops.pdserve.fp32_linear_supported()):
+        pytest.skip(f"no fp32_linear kernel here: {cpu_kernels.unavailable_reason() or 'not built for this CPU'}")
+
+
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_int8_layer_computes_what_torchao_does(dtype):
+def test_an_int8_layer_computes_what_torchao_does(dtype, kernel):
     """bf16 products of up to INT8_PACK_ROWS rows (ATen's int8 weight-only kernel) within a rounding of torchao's,
-    larger ones exactly torchao's; fp32 ones (oneDNN) within summation order of torchao's; sibling layers fused into
-    one product give each layer's columns."""
+    larger ones exactly torchao's; fp32 ones (oneDNN, or the engine's fp32 kernel over the values in its blocks)
+    within summation order of torchao's; sibling layers fused into one product give each layer's columns (80 of
+    them: the last block half full)."""
+    _fp32_kernel(kernel)
     layers = [torch.nn.Linear(96, n, bias=True, dtype=dtype) for n in (48, 16, 16)]
     stock = torch.nn.ModuleList(layers)
     quantize_model(stock, INT8)
-    packed = [PackedLinear(m) for m in stock]
-    fused = PackedLinear.concatenated(list(stock))
+    packed = [PackedLinear(m, kernel=kernel) for m in stock]
+    fused = PackedLinear.concatenated(list(stock), kernel=kernel)
+    assert {p.blocked for p in (*packed, fused)} == {kernel and dtype == torch.float32}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for rows in (1, 3, INT8_PACK_ROWS, INT8_PACK_ROWS + 1, 40):
@@ -147,16 +156,20 @@ def test_an_int8_layer_computes_what_torchao_does(dtype):
                     assert torch.allclose(a.float(), w.float(), rtol=0.02, atol=0.02) and torch.equal(a, b), rows
 
 
-@pytest.mark.parametrize("sums", ["onednn_u8", "float", "int_mm"])
+@pytest.mark.parametrize("sums", ["onednn_u8", "float", "float_blocked", "int_mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_dynamic_int8_layer_computes_what_torchao_does_bit_for_bit(dtype, sums, monkeypatch):
     """W8A8 layers (alone, and siblings fused into one product) against torchao's own product, for any row count,
     with weights and inputs at the int8 range's ends (sums past 2**24; a CPU whose u8s8 pair sums saturate), by
-    each source of the int32 sums."""
+    each source of the int32 sums (float sums by oneDNN or by the engine's fp32 kernel over the values in its
+    blocks)."""
+    kernel = sums == "float_blocked"
+    _fp32_kernel(kernel)
+    sums = "float" if kernel else sums
     if sums != "onednn_u8":
         monkeypatch.setattr(cpu_linear, "_onednn_u8s8", lambda qdata: None)
         if sums == "int_mm":
-            monkeypatch.setattr(cpu_linear, "_float_sums_exact", lambda qdata: False)
+            monkeypatch.setattr(cpu_linear, "_float_sums_exact", lambda qdata, blocked: False)
     elif cpu_linear._onednn_u8s8(torch.full((8, 64), 127, dtype=torch.int8)) is None:  # pair sums past 2**15
         pytest.skip("oneDNN's u8s8 product is not exact on this CPU: its layers take float sums (another case)")
     g = torch.Generator().manual_seed(1)
@@ -165,10 +178,10 @@ def test_a_dynamic_int8_layer_computes_what_torchao_does_bit_for_bit(dtype, sums
         layers[0].weight.copy_(torch.randn(48, 2816, generator=g).sign())
     stock = torch.nn.ModuleList(layers)
     quantize_model(stock, DYN)
-    packed = [PackedLinear(m) for m in stock]
-    fused = PackedLinear.concatenated(list(stock))
+    packed = [PackedLinear(m, kernel=kernel) for m in stock]
+    fused = PackedLinear.concatenated(list(stock), kernel=kernel)
     assert {p.layout for p in (*packed, fused)} == {"int8_dynamic"}
-    assert {p.sums for p in (*packed, fused)} == {sums}
+    assert {p.sums for p in (*packed, fused)} == {sums} and {p.blocked for p in (*packed, fused)} == {kernel}
     with torch.inference_mode():
         for rows in (1, 3, 17, 64):
             x = (torch.randn(rows, 2816, generator=g) * 4).to(dtype)
@@ -192,6 +205,10 @@ def test_float_sums_are_exact_in_chunks_and_refused_where_they_would_round(monke
     one = torch.ops.mkldnn._linear_pointwise(q.float(), w.float(), None, "none", [None], "")
     assert not torch.equal(one, want)  # what chunks avoid
     assert torch.equal(cpu_linear._float_sums(q, w), want) and cpu_linear._float_sums_exact(w)
+    if cpu_kernels.load() and torch.ops.pdserve.fp32_linear_supported():  # the values in the fp32 kernel's blocks
+        blocks = cpu_linear._int8_blocks(w)
+        assert torch.equal(cpu_linear._float_sums(q, blocks, 8, blocked=True), want)
+        assert cpu_linear._float_sums_exact(w, blocked=True)
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: real(*a).bfloat16().float())
     assert not cpu_linear._float_sums_exact(torch.randint(-128, 128, (16, 64), dtype=torch.int8))
@@ -242,6 +259,8 @@ def test_int8_engine_generates_what_stock_generate_does_on_the_int8_model(engine
     engine = engines[INT8]
     packed = [m for m in engine.loaded.model.modules() if isinstance(m, PackedLinear)]
     assert packed and {m.layout for m in packed} == {"int8_rows"}  # q|k|v and gate|up fused, the LM head too
+    fp32_kernel = cpu_kernels.load() and torch.ops.pdserve.fp32_linear_supported()
+    assert {m.blocked for m in packed} == {fp32_kernel}  # fp32 products by the engine's kernel where it was built
     reference = load_model(model_dir, quantization=INT8).model  # stock attention, same int8 weights
     prompts = _prompts(engine.vocab_size, 4)
     results = engine.generate(prompts, GREEDY)
