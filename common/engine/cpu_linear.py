@@ -128,10 +128,9 @@ class PackedLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         packed = _onednn_u8s8(qdata) if layout == "int8_dynamic" else None
         self.sums = None  # where an int8_dynamic layer's int32 sums come from
-        if layout == "int8_dynamic" and packed is None:
-            self.sums = "float" if _float_sums_exact(qdata, fp32_kernel) else "int_mm"
-        elif layout == "int8_dynamic":
-            self.sums = "onednn_u8"
+        if layout == "int8_dynamic":
+            exact = packed is None and _float_sums_exact(qdata, fp32_kernel)
+            self.sums = "onednn_u8" if packed is not None else "float" if exact else "int_mm"
         self.blocked = fp32_kernel and (self.sums == "float" or layout == "int8_rows" and self.dtype == torch.float32)
         if self.blocked:
             qdata = _int8_blocks(qdata)

@@ -121,8 +121,12 @@ def test_packing_keeps_an_int8_layer_int8(caplog):
     assert caplog.records == []  # no failed attempt on the int8 layer
 
 
+def _fp32_kernel_here() -> bool:
+    return cpu_kernels.load() and torch.ops.pdserve.fp32_linear_supported()
+
+
 def _fp32_kernel(kernel: bool) -> None:
-    if kernel and not (cpu_kernels.load() and torch.ops.pdserve.fp32_linear_supported()):
+    if kernel and not _fp32_kernel_here():
         pytest.skip(f"no fp32_linear kernel here: {cpu_kernels.unavailable_reason() or 'not built for this CPU'}")
 
 
@@ -205,7 +209,7 @@ def test_float_sums_are_exact_in_chunks_and_refused_where_they_would_round(monke
     one = torch.ops.mkldnn._linear_pointwise(q.float(), w.float(), None, "none", [None], "")
     assert not torch.equal(one, want)  # what chunks avoid
     assert torch.equal(cpu_linear._float_sums(q, w), want) and cpu_linear._float_sums_exact(w)
-    if cpu_kernels.load() and torch.ops.pdserve.fp32_linear_supported():  # the values in the fp32 kernel's blocks
+    if _fp32_kernel_here():  # the values in the fp32 kernel's blocks
         blocks = cpu_linear._int8_blocks(w)
         assert torch.equal(cpu_linear._float_sums(q, blocks, 8, blocked=True), want)
         assert cpu_linear._float_sums_exact(w, blocked=True)
@@ -259,8 +263,7 @@ def test_int8_engine_generates_what_stock_generate_does_on_the_int8_model(engine
     engine = engines[INT8]
     packed = [m for m in engine.loaded.model.modules() if isinstance(m, PackedLinear)]
     assert packed and {m.layout for m in packed} == {"int8_rows"}  # q|k|v and gate|up fused, the LM head too
-    fp32_kernel = cpu_kernels.load() and torch.ops.pdserve.fp32_linear_supported()
-    assert {m.blocked for m in packed} == {fp32_kernel}  # fp32 products by the engine's kernel where it was built
+    assert {m.blocked for m in packed} == {_fp32_kernel_here()}  # fp32 products by the fp32 kernel where built
     reference = load_model(model_dir, quantization=INT8).model  # stock attention, same int8 weights
     prompts = _prompts(engine.vocab_size, 4)
     results = engine.generate(prompts, GREEDY)
