@@ -45,7 +45,7 @@ from common.engine.engine import LLMEngine  # noqa: E402
 from common.engine.loader import load_model  # noqa: E402
 from common.engine.sampling_params import SamplingParams  # noqa: E402
 from common.kv_transfer.grpc_transport import GrpcKVSender, probe_link  # noqa: E402
-from common.rpc.malloc import tune_malloc  # noqa: E402
+from common.malloc import tune_malloc  # noqa: E402
 from common.rpc.server import channel  # noqa: E402
 from common.rpc.tls import TlsFiles  # noqa: E402
 from common.state.redis_client import connect  # noqa: E402

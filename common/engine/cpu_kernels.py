@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / f
            for f in ("paged_attention.cpp", "rms_norm.cpp", "bf16_linear.cpp", "bf16_amx.cpp", "fp32_linear.cpp",
                      "activation.cpp", "rotary.cpp", "prefill_attention.cpp", "kv_write.cpp")]  # fmt: skip
-OPS = ("paged_decode_attention", "rms_norm", "bf16_linear", "bf16_linear_amx", "fp32_linear", "silu_mul", "rotary_",
-       "prefill_attention", "paged_prefill_attention", "prefill_attention_amx", "write_kv_")
+OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "bf16_linear", "bf16_linear_amx", "fp32_linear",
+       "silu_mul", "silu_mul_parts", "rotary_", "prefill_attention", "paged_prefill_attention",
+       "prefill_attention_amx", "write_kv_")
 PREBUILT_ENV = "PDSERVE_CPU_KERNELS_DIR"
 MANIFEST = "manifest.json"
 _lock = threading.Lock()
@@ -50,13 +51,18 @@ _loaded: bool | None = None
 _error: str = ""
 _source: str = ""
 
+# GCC vectorizes loops 256 bits wide on Intel's AVX-512 CPUs unless told otherwise (its tuning for them avoids
+# the 512-bit frequency drop of older Xeons): on a Sapphire/Emerald Rapids VM, silu_mul over a 2,048-token
+# prefill's gate/up product ran 1.3-1.4x faster with 512-bit vectors and RMSNorm 1.2x; decode steps unchanged.
+# Harmless where the CPU has no AVX-512 (nothing wider than it has can be emitted).
+_WIDE = "-mprefer-vector-width=512"
 _X86_V3 = frozenset({"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "sse4_2", "popcnt", "ssse3"})
 # (name, compiler flags, CPU flags the build may use), best first; a machine runs the first whose flags it has.
 VARIANTS: dict[str, tuple[tuple[str, tuple[str, ...], frozenset[str]], ...]] = {
     "x86_64": (
-        ("x86-64-v4-amx", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+        ("x86-64-v4-amx", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", _WIDE),
          _X86_V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16", "amx_tile", "amx_bf16"}),
-        ("x86-64-v4-bf16", ("-march=x86-64-v4", "-mavx512bf16"),
+        ("x86-64-v4-bf16", ("-march=x86-64-v4", "-mavx512bf16", _WIDE),
          _X86_V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16"}),
         ("x86-64-v3", ("-march=x86-64-v3",), _X86_V3),
         ("x86-64", ("-march=x86-64",), frozenset()),
@@ -119,7 +125,7 @@ def load() -> bool:
                 return _loaded
             flags = list(_COMMON_FLAGS)
             if platform.machine() in ("x86_64", "AMD64"):
-                flags.append("-march=native")
+                flags += ["-march=native", _WIDE]
             elif platform.machine() in ("aarch64", "arm64"):
                 flags.append("-mcpu=native")
             cpp_extension.load(

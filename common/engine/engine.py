@@ -53,6 +53,7 @@ from common.engine.sampler import Sampler, TokenLogprobs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.stop_strings import StopStringMatcher
+from common.malloc import tune_malloc
 
 if TYPE_CHECKING:
     from common.engine.loader import LoadedModel
@@ -91,6 +92,8 @@ class LLMEngine(KVHandoffMixin):
         self.device = torch.device(loaded.device)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            tune_malloc()  # a prefill's large activations stay on the heap instead of being faulted in again
         model_cfg = loaded.config.get_text_config()
         self.vocab_size = int(model_cfg.vocab_size)
         self.max_model_len = self._resolve_max_model_len(loaded.max_model_len, config.max_model_len)

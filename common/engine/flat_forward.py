@@ -1,13 +1,15 @@
 """A Llama, Qwen2 or Mistral model run by the engine as one loop over its layers, without the module tree.
 
 Once :mod:`common.engine.cpu_linear` and :mod:`common.engine.fused_attention` have swapped in the engine's
-fused modules, a decoder layer is seven operator calls (RMSNorm, the q/k/v product, the rotary kernel, the
-paged attention, the output projection, RMSNorm, the gated MLP) and two additions. transformers' module tree
-around them (``nn.Module.__call__`` per module, decorators, keyword handling, mask construction, output
-dataclasses) cost ~1 ms of Python a step on this machine's 60M model (8 layers): 12-15% of a single stream's
-decode step, 4-5% of sixteen streams'. :class:`FlatForward` makes the same calls on the same tensors in the
-same order, so its logits are bit for bit the model's own; the model runner checks that once on the first
-step that samples (:meth:`common.engine.model_runner.ModelRunner.run`) and keeps the model's forward if not.
+fused modules, a decoder layer is six operator calls (the q/k/v product, the rotary kernel, the paged attention,
+the output projection, the gated MLP, and twice a residual addition with the RMSNorm after it as one kernel
+call). transformers' module tree around them (``nn.Module.__call__`` per module, decorators, keyword handling,
+mask construction, output dataclasses) cost ~1 ms of Python a step on this machine's 60M model (8 layers):
+12-15% of a single stream's decode step, 4-5% of sixteen streams'. :class:`FlatForward` computes every value as
+the module tree does, in the same roundings (the fused addition and norm give bit for bit an addition and the
+norm's own kernel; after the last layer, only the kept rows are added), so its logits are bit for bit the
+model's own; the model runner checks that once on the first step that samples
+(:meth:`common.engine.model_runner.ModelRunner.run`) and keeps the model's forward if not.
 
 :meth:`FlatForward.of` accepts only the module layout it repeats: a ``LlamaForCausalLM`` (Qwen2, Mistral)
 whose every decoder layer holds :class:`~common.engine.cpu_linear.FusedRMSNorm` norms, a
@@ -76,15 +78,21 @@ class FlatForward:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionMetadata,
                  logits_index: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Logits [1, S, V] (the model's dtype) of the packed tokens at ``logits_index`` [S] (S > 0)."""
-        x = self.embed.forward(input_ids)
+        x = self.embed.forward(input_ids)  # a fresh tensor: the layers add into it in place (add_forward)
         position_embeddings = self.rotary.forward(x, position_ids)
         meta = {METADATA_KWARG: attn}
         shape = x.shape[:-1]
-        for input_norm, attention, post_norm, mlp in self.layers:
-            q, k, v = attention.project(input_norm.forward(x), position_embeddings)
+        layers = self.layers
+        h = layers[0][0].forward(x)
+        for i, (_, attention, post_norm, mlp) in enumerate(layers):
+            q, k, v = attention.project(h, position_embeddings)
             inner = attention.inner
             out, _ = paged_attention(inner, q, k, v, None, dropout=0.0, scaling=inner.scaling, **attention.extra,
                                      **meta)  # fmt: skip
-            x = x + inner.o_proj.forward(out.reshape(*shape, -1).contiguous())
-            x = x + mlp.forward(post_norm.forward(x))
-        return self.lm_head.forward(self.norm.forward(x[:, logits_index, :]))  # the norm is per row: kept rows only
+            # each residual addition and the norm after it as one call (FusedRMSNorm.add_forward)
+            x, h = post_norm.add_forward(x, inner.o_proj.forward(out.reshape(*shape, -1).contiguous()))
+            m = mlp.forward(h)
+            if i + 1 < len(layers):
+                x, h = layers[i + 1][0].add_forward(x, m)
+        # after the last layer only the kept rows are needed: added and normed alone (norms work per row)
+        return self.lm_head.forward(self.norm.forward(x[:, logits_index, :] + m[:, logits_index, :]))

@@ -30,7 +30,7 @@ Memory: the replaced full-precision weights are freed. Safetensors memory-maps t
 left on that map (the embeddings) keeps the whole file mapped, with the pages of the replaced weights resident:
 so the CPU tensors left in full precision are copied into ordinary memory and the map is dropped. Then glibc is
 asked to return the freed heap pages (``malloc_trim``): quantizing frees many blocks below its mmap threshold
-(32 MiB in a worker, common/rpc/malloc.py), which it would otherwise keep (measured: 52 MiB of the 60M model in
+(32 MiB in a worker, common/malloc.py), which it would otherwise keep (measured: 52 MiB of the 60M model in
 bf16).
 
 torch and torchao are imported on first use: the CLI reads :data:`QUANTIZATION_METHODS` without them.

@@ -7,7 +7,7 @@ import argparse
 import logging
 
 from common.config.loader import add_config_args, resolve_config
-from common.rpc.malloc import tune_malloc
+from common.malloc import tune_malloc
 from services.router.config import RouterConfig
 from services.worker.config import WorkerConfig
 

@@ -1,5 +1,7 @@
 // The gated MLP's activation in one pass: out = silu(gate) * up, from the fused gate/up projection's output
-// [rows, 2I] (gate in columns [0, I), up in [I, 2I)) to [rows, I], fp32 or bf16.
+// [rows, 2I] (gate in columns [0, I), up in [I, 2I)) to [rows, I], fp32 or bf16 (silu_mul); or from the two
+// products apart, [rows, I] each (silu_mul_parts: where gate and up are two oneDNN products, which a prefill
+// worker's AMX runs faster than one of twice the width).
 //
 // PyTorch runs it as a silu and a multiply over two column slices: on bf16 both are scalar conversion loops
 // (a 16 x 2816 silu took 134 us and the multiply about as long on a 2-core Xeon: 8% of a 0.35B model's decode
@@ -31,16 +33,17 @@ inline float silu(float x) {
   return x < -87.f ? -0.f : (x >= 0.f ? x : x * e) / (1.f + e);
 }
 
+// gate rows g_stride apart, up rows u_stride apart, out [rows, n]
 template <typename T>
-void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t n, int64_t stride) {
+void silu_mul_rows(const T* gate, const T* up, T* out, int64_t rows, int64_t n, int64_t g_stride, int64_t u_stride) {
   // about 64K elements a chunk, and a batch of rows at least in halves: 16 decode rows of 2 x 2,816 took 64 us on
   // one thread, 40 us on two (1 row: one thread either way)
   const int64_t chunk =
       std::max<int64_t>(1, std::min<int64_t>((rows + 1) / 2, (int64_t{1} << 16) / std::max<int64_t>(1, n)));
   pdserve::parallel_claim(rows, chunk, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* g = gu + r * stride;
-      const T* u = g + n;
+      const T* g = gate + r * g_stride;
+      const T* u = up + r * u_stride;
       T* o = out + r * n;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) o[i] = round_to<T>(to_float(round_to<T>(silu(to_float(g[i])))) * to_float(u[i]));
@@ -57,9 +60,11 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   if (rows.stride(1) != 1) rows = rows.contiguous();
   at::Tensor out = at::empty({rows.size(0), n}, gu.options());
   if (gu.scalar_type() == at::kFloat) {
-    silu_mul_rows(rows.data_ptr<float>(), out.data_ptr<float>(), rows.size(0), n, rows.stride(0));
+    const float* g = rows.data_ptr<float>();
+    silu_mul_rows(g, g + n, out.data_ptr<float>(), rows.size(0), n, rows.stride(0), rows.stride(0));
   } else if (gu.scalar_type() == at::kBFloat16) {
-    silu_mul_rows(rows.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows.size(0), n, rows.stride(0));
+    const c10::BFloat16* g = rows.data_ptr<c10::BFloat16>();
+    silu_mul_rows(g, g + n, out.data_ptr<c10::BFloat16>(), rows.size(0), n, rows.stride(0), rows.stride(0));
   } else {
     TORCH_CHECK(false, "pdserve::silu_mul supports float32 and bfloat16, got ", gu.scalar_type());
   }
@@ -68,9 +73,34 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out.view(shape);
 }
 
+// gate, up [..., I] of one shape and dtype -> [..., I]
+at::Tensor silu_mul_parts(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.device().is_cpu() && up.device().is_cpu() && gate.dim() >= 1 && gate.sizes() == up.sizes() &&
+                  gate.scalar_type() == up.scalar_type(),
+              "pdserve::silu_mul_parts takes two CPU tensors of one shape and dtype, got ", gate.sizes(), " ",
+              gate.scalar_type(), " and ", up.sizes(), " ", up.scalar_type());
+  const int64_t n = gate.size(-1);
+  at::Tensor g = gate.reshape({-1, n}), u = up.reshape({-1, n});
+  if (g.stride(1) != 1) g = g.contiguous();
+  if (u.stride(1) != 1) u = u.contiguous();
+  at::Tensor out = at::empty({g.size(0), n}, gate.options());
+  if (gate.scalar_type() == at::kFloat) {
+    silu_mul_rows(g.data_ptr<float>(), u.data_ptr<float>(), out.data_ptr<float>(), g.size(0), n, g.stride(0),
+                  u.stride(0));
+  } else if (gate.scalar_type() == at::kBFloat16) {
+    silu_mul_rows(g.data_ptr<c10::BFloat16>(), u.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), g.size(0),
+                  n, g.stride(0), u.stride(0));
+  } else {
+    TORCH_CHECK(false, "pdserve::silu_mul_parts supports float32 and bfloat16, got ", gate.scalar_type());
+  }
+  return out.view(gate.sizes());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.def("silu_mul_parts(Tensor gate, Tensor up) -> Tensor");
+  m.impl("silu_mul_parts", c10::DispatchKey::CPU, TORCH_FN(silu_mul_parts));
 }

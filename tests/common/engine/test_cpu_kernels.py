@@ -159,6 +159,31 @@ def test_rms_norm_matches_transformers(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 1024), (1, 37, 512), (3, 1000), (1, 300, 96)])
+def test_add_rms_norm_is_the_addition_then_the_norm_bit_for_bit(dtype, shape):
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(shape[-1], generator=g).to(dtype)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    residual = (torch.randn(shape, generator=g) * 5).to(dtype)
+    wide = torch.cat([residual, residual], -1)[..., : shape[-1]]  # rows apart by twice their length
+    with torch.inference_mode():
+        want_sum = x + residual
+        want = torch.ops.pdserve.rms_norm(want_sum, weight, 1e-5)
+        for res in (residual, wide):
+            got_x = x.clone()
+            got = torch.ops.pdserve.add_rms_norm_(got_x, res, weight, 1e-5)
+            assert got.shape == x.shape and got.dtype == dtype
+            assert torch.equal(got_x, want_sum), "x must hold x + residual, rounded as torch rounds it"
+            assert torch.equal(got, want), "the norm must be rms_norm's of the sum, bit for bit"
+    n = shape[-1]
+    with pytest.raises(RuntimeError, match="contiguous x"):
+        torch.ops.pdserve.add_rms_norm_(torch.zeros(2, 2 * n, dtype=dtype)[:, :n], torch.zeros(2, n, dtype=dtype),
+                                        weight, 1e-5)  # fmt: skip
+    with pytest.raises(RuntimeError, match="shape"):
+        torch.ops.pdserve.add_rms_norm_(x.clone(), torch.cat([residual, residual]), weight, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 16, 300])
 def test_silu_mul_matches_pytorch(dtype, rows):
     """silu(gate) * up from the fused [rows, 2I] product (and a strided view of one): bf16 bit for bit (the same
@@ -178,6 +203,13 @@ def test_silu_mul_matches_pytorch(dtype, rows):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, equal_nan=True)
     with pytest.raises(RuntimeError, match=r"\[\.\.\., 2I\]"):
         torch.ops.pdserve.silu_mul(gu[:, :-1])
+    # the products apart (a prefill worker's oneDNN layers): bit for bit the fused form's, strided views too
+    gate, up = gu[:, :1408].contiguous(), gu[:, 1408:].contiguous()
+    torch.testing.assert_close(torch.ops.pdserve.silu_mul_parts(gate, up), got, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(torch.ops.pdserve.silu_mul_parts(gu[:, :1408], gu[:, 1408:]), got, rtol=0, atol=0,
+                               equal_nan=True)  # fmt: skip
+    with pytest.raises(RuntimeError, match="one shape and dtype"):
+        torch.ops.pdserve.silu_mul_parts(gate, up[:, :-1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -445,7 +477,7 @@ def test_an_engine_packed_for_prefill_keeps_onednn_layouts_for_bf16_on_amx(tiny_
     layout (its AMX GEMM runs batches of prompt tokens without the pair layout's widening), elsewhere the same
     layouts as for decode; either way the same tokens as the decode-layout engine."""
     from common.engine.config import EngineConfig
-    from common.engine.cpu_linear import PackedLinear
+    from common.engine.cpu_linear import FusedGatedMLP, PackedLinear
     from common.engine.engine import LLMEngine
     from common.engine.loader import load_model
     from common.engine.sampling_params import SamplingParams
@@ -456,10 +488,15 @@ def test_an_engine_packed_for_prefill_keeps_onednn_layouts_for_bf16_on_amx(tiny_
                for layout in ("decode", "prefill")}  # fmt: skip
     layouts = {name: sorted({m.layout for m in e.runner.model.modules() if isinstance(m, PackedLinear)})
                for name, e in engines.items()}  # fmt: skip
+    mlps = {name: [type(m.gate_up).__name__ if m.gate_up is not None else "apart" for m in e.runner.model.modules()
+                   if isinstance(m, FusedGatedMLP)] for name, e in engines.items()}  # fmt: skip
     if "amx_bf16" in cpu_kernels.cpu_flags() and torch.ops.pdserve.bf16_amx_supported():
         assert layouts == {"decode": ["bf16_amx"], "prefill": ["onednn"]}
+        # and gate and up as two oneDNN products, the activation from both (cpu_linear._keep_apart)
+        assert mlps == {"decode": ["FusedLinear"] * 4, "prefill": ["apart"] * 4}
     else:
         assert layouts["prefill"] == layouts["decode"]
+        assert mlps["prefill"] == mlps["decode"] == ["FusedLinear"] * 4  # one a layer
     prompts = [[5 + i * 7 + j for j in range(40 + 9 * i)] for i in range(3)]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     tokens = {name: [r.token_ids for r in e.generate(prompts, params)] for name, e in engines.items()}

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-SCRIPT = "from common.rpc.malloc import tune_malloc; print(tune_malloc())"
+SCRIPT = "from common.malloc import tune_malloc; print(tune_malloc())"
 
 
 def run(env_extra: dict[str, str]) -> str:
