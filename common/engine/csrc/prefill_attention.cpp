@@ -390,8 +390,15 @@ void pack_kv_amx(int64_t len, int64_t dim, const KeyRow& key_row, const ValueRow
         std::memset(tile[r], 0, sizeof(uint16_t) * dim);
     }
     uint16_t* chunk = vt + j0 / KC * dim * KC + j0 % KC;
-    for (int64_t d = 0; d < dim; ++d)
-      for (int64_t r = 0; r < 16; ++r) chunk[d * KC + r] = tile[r][d];
+    // dims d, d + 1 of the 16 rows in one gather of 32-bit pairs, then each dim's 16 values (32 bytes) out
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(AMX_DIM / 2));
+    for (int64_t d = 0; d < dim; d += 2) {
+      const __m512i pair = _mm512_i32gather_epi32(rows, reinterpret_cast<const int*>(&tile[0][d]), 4);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunk + d * KC), _mm512_cvtepi32_epi16(pair));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunk + (d + 1) * KC),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(pair, 16)));
+    }
   }
 }
 
@@ -428,9 +435,14 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
   amx_configure();
   for (int64_t r0 = i0; r0 < i1; r0 += 16) {
     const int64_t rows = std::min<int64_t>(16, i1 - r0);
-    for (int64_t i = 0; i < 16; ++i) {
-      const c10::BFloat16* q = L.q + (t0 + r0 + std::min(i, rows - 1)) * L.q_s0 + h * L.q_s1;
-      for (int64_t u = 0; u < dim / 2; ++u) qt[u / 16][u % 16][i] = i < rows ? unit_at(q, u) : 0u;
+    {  // Q^T: unit u of the 16 rows in one gather (rows past `rows` zero)
+      const c10::BFloat16* q0 = L.q + (t0 + r0) * L.q_s0 + h * L.q_s1;
+      const __m512i at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(L.q_s0 / 2)));
+      const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+      for (int64_t u = 0; u < dim / 2; ++u)
+        _mm512_store_si512(qt[u / 16][u % 16],
+                           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at,
+                                                       reinterpret_cast<const int*>(q0) + u, 4));
     }
     const int64_t first = pos0 + r0, last = first + rows - 1;
     // lanes past the rows stand in for the last row (their outputs are dropped)
