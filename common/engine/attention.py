@@ -182,7 +182,7 @@ def _fresh_attention(
         bounds = group.fresh_bounds.to(query.device, non_blocking=True)
         window = sliding_window if mode == "window" else None  # a window no prompt reaches is no window
         if mode in kernel.verified:
-            out[own] = kernel(q, k, v, bounds, group.num_keys, scaling, window)
+            kernel.into(out[own], q, k, v, bounds, group.num_keys, scaling, window)
             return
         try:
             o = kernel(q, k, v, bounds, group.num_keys, scaling, window)
@@ -212,15 +212,24 @@ def _fresh_attention_sdpa(group, query, key, value, out, scaling, sliding_window
 class VarlenKernel:
     """A variable-length attention kernel over packed prompts: ``(q [T, Hq, D], k [T, Hkv, D], v, bounds [n + 1]
     int32 on the device, longest, scale, sliding window) -> [T, Hq, D]``, each prompt causal over its own keys.
-    ``strided``: q, k, v may be views with any token and head strides (unit stride in D), as the step made them."""
+    ``strided``: q, k, v may be views with any token and head strides (unit stride in D), as the step made them.
+    ``writes_into``: ``fn`` also takes ``out=``, a [T, Hq, D] view (unit stride in D) to write instead of a new
+    tensor (the step's output rows: no copy of a 2,048-token prompt's 4 MB a layer)."""
 
-    def __init__(self, name: str, fn: Callable, strided: bool = False) -> None:
-        self.name, self.fn, self.strided = name, fn, strided
+    def __init__(self, name: str, fn: Callable, strided: bool = False, writes_into: bool = False) -> None:
+        self.name, self.fn, self.strided, self.writes_into = name, fn, strided, writes_into
         self.verified: set[str] = set()  # "causal", "window": kinds of call whose output matched per-prompt SDPA
         self.failed = ""
 
     def __call__(self, q, k, v, bounds, longest: int, scale: float | None, window: int | None) -> torch.Tensor:
         return self.fn(q, k, v, bounds, longest, scale, window)
+
+    def into(self, out: torch.Tensor, q, k, v, bounds, longest: int, scale: float | None, window: int | None) -> None:
+        """The output written into ``out``: in place where the kernel ``writes_into``, else copied there."""
+        if self.writes_into:
+            self.fn(q, k, v, bounds, longest, scale, window, out=out)
+        else:
+            out.copy_(self.fn(q, k, v, bounds, longest, scale, window))
 
 
 _VARLEN: dict[str, VarlenKernel | None] = {}  # by device type and dtype; None: none usable
@@ -283,14 +292,15 @@ def varlen_kernel(query: torch.Tensor, cpu_kernel: bool = False) -> VarlenKernel
 
 
 def _cpu_prefill_varlen() -> VarlenKernel:
-    def run(q, k, v, bounds, longest, scale, window):
+    def run(q, k, v, bounds, longest, scale, window, out=None):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        out = torch.empty(q.shape, dtype=q.dtype)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype)
         torch.ops.pdserve.prefill_attention(out, q, k, v, bounds, q.shape[-1] ** -0.5 if scale is None else scale,
                                             window or 0)  # fmt: skip
         return out
 
-    return VarlenKernel("pdserve.prefill_attention", run, strided=True)
+    return VarlenKernel("pdserve.prefill_attention", run, strided=True, writes_into=True)
 
 
 def cpu_prefill_kernel_chosen(choice: str, dtype: torch.dtype, head_dim: int | None = None) -> bool:
