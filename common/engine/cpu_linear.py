@@ -72,9 +72,9 @@ class PackedLinear(torch.nn.Module):
     - ``"int8_rows"``: a weight torchao quantized to int8 with one scale per output feature
       (``--quantization int8-weight-only``, common/engine/quantization.py), kept as its int8 values and scales:
       bf16 products of up to :data:`INT8_PACK_ROWS` rows by ``torch._weight_int8pack_mm``, larger ones as torchao
-      computes them, fp32 ones over the weight widened a tile at a time at each call: by the engine's fp32 kernel
-      where it was built (``blocked``: the int8 values kept in its 16-feature blocks, :func:`_blocked_product`),
-      else by oneDNN. As PackedLinears an
+      computes them, fp32 ones by the engine's fp32 kernel where it was built (``blocked``: the int8 values kept
+      in its 16-feature blocks and widened in registers, :func:`_blocked_product`), else by oneDNN over the
+      weight widened a tile at a time at each call. As PackedLinears an
       int8 model's projections fuse as a full-precision model's do (q|k|v, gate|up: per-row scales concatenate
       exactly), and its layers run in the engine's fused modules and flat layer loop.
     - ``"int8_dynamic"``: the same int8 weight with dynamic per-token quantization of the inputs
@@ -526,28 +526,21 @@ def _int8_blocks(qdata: torch.Tensor) -> torch.Tensor:
 
 
 def _blocked_product(rows: torch.Tensor, blocks: torch.Tensor, n: int, kc: int) -> torch.Tensor:
-    """:func:`_widened_product` over int8 ``blocks`` (:func:`_int8_blocks` of a weight of ``n`` features): each tile
-    of whole blocks widened into one buffer and multiplied by the engine's ``fp32_linear``, which reads it as packed
-    (on a 2-core Zen 3 VM, 1 to 16 rows by 512 x 1,024 to 1,024 x 2,816: 1.5-2.6x oneDNN over plain tiles; 2,048
-    rows: 0.9-1.2x)."""
-    (m, k), nb = rows.shape, blocks.shape[0]
+    """fp32 ``rows`` ([m, k]) times int8 ``blocks`` (:func:`_int8_blocks` of a weight of ``n`` features) by the
+    engine's ``fp32_linear``, which widens each weight in a register as it loads it (the same products, bit for
+    bit, as the weight widened and packed as floats, from a quarter of its bytes). ``kc`` < ``k`` splits the
+    inputs into slices of ``kc`` whose products are integers, added in int32 (:func:`_float_sums`). Against
+    widening each 2 MiB tile of blocks into a buffer for that kernel first, on a 2-core Zen 4 VM: 1 row x 512 x
+    2,816 0.22 -> see docs/benchmarks.md (session 32)."""
+    k = rows.shape[1]
     kc = min(k, kc)
-    per = max(1, min(nb, _FLOAT_TILE // (16 * kc)))
-    buf = torch.empty(per * kc * 16)
-    out = torch.empty(m, n) if k == kc else torch.zeros(m, n, dtype=torch.int32)
-    for b0 in range(0, nb, per):
-        b1 = min(nb, b0 + per)
-        n0, n1 = 16 * b0, min(n, 16 * b1)
-        for k0 in range(0, k, kc):
-            k1 = min(k, k0 + kc)
-            tile = buf[: (b1 - b0) * (k1 - k0) * 16].view(b1 - b0, k1 - k0, 16)
-            tile.copy_(blocks[b0:b1, k0:k1])
-            if k == kc:
-                out[:, n0:n1] = torch.ops.pdserve.fp32_linear(rows, tile, None, n1 - n0)
-            else:
-                part = torch.ops.pdserve.fp32_linear(rows[:, k0:k1].contiguous(), tile, None, n1 - n0)
-                out[:, n0:n1] += part.to(torch.int32)
-    return out if k == kc else out.float()
+    if k == kc:
+        return torch.ops.pdserve.fp32_linear(rows, blocks, None, n)
+    out = torch.zeros(rows.shape[0], n, dtype=torch.int32)
+    for k0 in range(0, k, kc):
+        part = torch.ops.pdserve.fp32_linear(rows[:, k0:k0 + kc].contiguous(), blocks, None, n, k0)
+        out += part.to(torch.int32)
+    return out.float()
 
 
 def _fp32_product(rows: torch.Tensor, weight: torch.Tensor, n: int, kc: int, blocked: bool) -> torch.Tensor:

@@ -374,8 +374,37 @@ def test_fp32_linear_matches_float_matmul(rows, out_features, in_features, bias)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="float32 CPU tensor, got BFloat16"):
         torch.ops.pdserve.pack_fp32_blocks(w.bfloat16())
-    with pytest.raises(RuntimeError, match="input features and n is"):
+    with pytest.raises(RuntimeError, match="input features from 0 and n is"):
         torch.ops.pdserve.fp32_linear(x, torch.ops.pdserve.pack_fp32_blocks(w), b, out_features + 16)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 65, 520])
+@pytest.mark.parametrize("out_features,in_features,k0,k", [(1000, 256, 0, 256), (70, 1408, 0, 1408), (33, 2816, 1024, 1024),
+                                                         (40, 2816, 2048, 768)])  # fmt: skip
+def test_fp32_linear_over_int8_blocks_is_the_widened_weights_product_bit_for_bit(rows, out_features, in_features, k0,
+                                                                                 k):
+    """int8 values in the 16-feature blocks (an int8 model's weight, cpu_linear._int8_blocks) widened in registers
+    as the kernel loads them: the same sums, in the same order, as the weight widened and packed as floats, in
+    every regime (one row, tiles, widened slices for torch's GEMM at 520 rows on AVX-512), and over a slice of
+    the inputs from ``k0`` (the exact int32 chunks of W8A8 float sums)."""
+    if not torch.ops.pdserve.fp32_linear_supported():
+        pytest.skip("this build has no AVX2 with FMA")
+    from common.engine import cpu_linear
+
+    g = torch.Generator().manual_seed(rows + out_features)
+    w = torch.randint(-128, 128, (out_features, in_features), generator=g, dtype=torch.int32).to(torch.int8)
+    b = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    blocks = cpu_linear._int8_blocks(w)
+    got = torch.ops.pdserve.fp32_linear(x, blocks, b, out_features, k0)
+    want = torch.ops.pdserve.fp32_linear(x, torch.ops.pdserve.pack_fp32_blocks(w[:, k0:k0 + k].float()), b,
+                                         out_features)  # fmt: skip
+    assert got.shape == (rows, out_features) and torch.equal(got, want)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w[:, k0:k0 + k].float(), b), rtol=1e-4, atol=1e-2)
+    with pytest.raises(RuntimeError, match="input features from"):
+        torch.ops.pdserve.fp32_linear(x, blocks, b, out_features, in_features - k + 1)
+    with pytest.raises(RuntimeError, match="float32 or int8 packed weight"):
+        torch.ops.pdserve.fp32_linear(x, blocks.to(torch.int16), b, out_features, k0)
 
 
 def test_engine_without_kernels_keeps_the_pytorch_paths(tiny_model_dir):
