@@ -379,8 +379,8 @@ def test_fp32_linear_matches_float_matmul(rows, out_features, in_features, bias)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 65, 520])
-@pytest.mark.parametrize("out_features,in_features,k0,k", [(1000, 256, 0, 256), (70, 1408, 0, 1408), (33, 2816, 1024, 1024),
-                                                         (40, 2816, 2048, 768)])  # fmt: skip
+@pytest.mark.parametrize("out_features,in_features,k0,k",
+                         [(1000, 256, 0, 256), (70, 1408, 0, 1408), (33, 2816, 1024, 1024), (40, 2816, 2048, 768)])
 def test_fp32_linear_over_int8_blocks_is_the_widened_weights_product_bit_for_bit(rows, out_features, in_features, k0,
                                                                                  k):
     """int8 values in the 16-feature blocks (an int8 model's weight, cpu_linear._int8_blocks) widened in registers
