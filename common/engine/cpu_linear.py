@@ -31,9 +31,11 @@ from common.engine import cpu_kernels
 log = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-# An int8 layer's product (the ``int8_rows`` layout of PackedLinear): bf16 inputs of up to this many rows by ATen's
-# int8 weight-only kernel (``torch._weight_int8pack_mm``), more rows as torchao computes them (the weight widened to
-# bf16, one matmul); fp32 inputs by oneDNN's matmul over the widened weight. Measured in the engine on a Zen 4 VM
+# An int8 layer's product (the ``int8_rows`` layout of PackedLinear) where the engine's kernels are not built: bf16
+# inputs of up to this many rows by ATen's int8 weight-only kernel (``torch._weight_int8pack_mm``), more rows as
+# torchao computes them (the weight widened to bf16, one matmul); fp32 inputs by oneDNN's matmul over the widened
+# weight. (With the kernels: the engine's bf16 and fp32 kernels over the int8 values, PackedLinear.pairs/blocked;
+# on AMX CPUs bf16 products of more than this many rows take torchao's form.) Measured in the engine on a Zen 4 VM
 # (2 threads), decode steps against torchao's form: 0.35B bf16, 1 stream ~3.5x (11-13 -> 38-44 tokens/s), 8
 # streams 78 vs 105 ms, 16: 117 vs 134, 32: 256 vs 170 (oneDNN there: 201; a 512-token prefill 911 vs 923 ms, no
 # gain); 60M fp32 by oneDNN, 1 stream 30 vs 37 ms, 16: 40 vs 55, 64: 84 vs 118, a 512-token prefill 207 vs 239 ms.
@@ -71,8 +73,10 @@ class PackedLinear(torch.nn.Module):
       model 8% faster, 16 prompts of 128 tokens 10% faster, the decode steps 10-30% slower).
     - ``"int8_rows"``: a weight torchao quantized to int8 with one scale per output feature
       (``--quantization int8-weight-only``, common/engine/quantization.py), kept as its int8 values and scales:
-      bf16 products of up to :data:`INT8_PACK_ROWS` rows by ``torch._weight_int8pack_mm``, larger ones as torchao
-      computes them, fp32 ones by the engine's fp32 kernel where it was built (``blocked``: the int8 values kept
+      bf16 products by the engine's ``bf16_linear`` where it was built (``pairs``: the int8 values in its pair
+      layout, widened in registers; on AMX CPUs only up to :data:`INT8_PACK_ROWS` rows, torchao's form above),
+      else up to :data:`INT8_PACK_ROWS` rows by ``torch._weight_int8pack_mm`` and larger ones as torchao
+      computes them; fp32 ones by the engine's fp32 kernel where it was built (``blocked``: the int8 values kept
       in its 16-feature blocks and widened in registers, :func:`_blocked_product`), else by oneDNN over the
       weight widened a tile at a time at each call. As PackedLinears an
       int8 model's projections fuse as a full-precision model's do (q|k|v, gate|up: per-row scales concatenate
@@ -86,8 +90,9 @@ class PackedLinear(torch.nn.Module):
       ``torch._int_mm``. Fuses as
       ``int8_rows`` does.
 
-    ``dtype`` is the dtype of the layer's inputs and outputs (``weight`` is int8 in the int8 layouts: [out, in], or
-    [out / 16 rounded up, in, 16] where ``blocked``).
+    ``dtype`` is the dtype of the layer's inputs and outputs (``weight`` is int8 in the int8 layouts: [out, in],
+    [out / 16 rounded up, in, 16] where ``blocked``, or [out / 16 (rounded up to 32 features), in / 2, 16, 2] where
+    ``pairs``).
     """
 
     def __init__(self, linear: torch.nn.Linear, kernel: bool = False, prefill: bool = False) -> None:
@@ -132,8 +137,15 @@ class PackedLinear(torch.nn.Module):
             exact = packed is None and _float_sums_exact(qdata, fp32_kernel)
             self.sums = "onednn_u8" if packed is not None else "float" if exact else "int_mm"
         self.blocked = fp32_kernel and (self.sums == "float" or layout == "int8_rows" and self.dtype == torch.float32)
+        # bf16 products of a weight-only layer by the engine's bf16 kernel over the int8 values in its pairs
+        self.pairs = (kernel and layout == "int8_rows" and self.dtype == torch.bfloat16 and qdata.device.type == "cpu"
+                      and qdata.shape[1] % 2 == 0 and torch.ops.pdserve.bf16_linear_supported())  # fmt: skip
+        # rows from which torchao's form runs instead (oneDNN's AMX GEMM over the widened weight beats vdpbf16ps)
+        self.pair_rows = INT8_PACK_ROWS if "amx_bf16" in cpu_kernels.cpu_flags() else None
         if self.blocked:
             qdata = _int8_blocks(qdata)
+        elif self.pairs:
+            qdata = _int8_pairs(qdata)
         elif packed is not None:  # oneDNN's own layout of the weight for its u8s8 product
             qdata = packed
             self.register_buffer("_ones", torch.ones(self.out_features))
@@ -181,6 +193,11 @@ class PackedLinear(torch.nn.Module):
         if x.dtype == torch.float32:
             y = _fp32_product(rows.contiguous(), self.weight, self.out_features, self.in_features, self.blocked)
             y.mul_(self.scale)
+        elif self.pairs and (self.pair_rows is None or rows.shape[0] <= self.pair_rows):
+            y = torch.ops.pdserve.bf16_linear(rows, self.weight, None, self.out_features).mul_(self.scale)
+        elif self.pairs:  # torchao's form over the values taken back out of their pairs
+            plain = self.weight.permute(0, 2, 1, 3).reshape(-1, self.in_features)[: self.out_features]
+            y = torch.mm(rows, plain.t().to(x.dtype)) * self.scale
         elif rows.shape[0] <= INT8_PACK_ROWS:
             y = torch._weight_int8pack_mm(rows.contiguous(), self.weight, self.scale)
         else:  # torchao's weight-only product (torchao/quantization/quantize_/workflows/int8/int8_tensor.py)
@@ -523,6 +540,15 @@ def _int8_blocks(qdata: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros((n + 15) // 16 * 16, k, dtype=torch.int8)
     padded[:n] = qdata
     return padded.view(-1, 16, k).permute(0, 2, 1).contiguous()
+
+
+def _int8_pairs(qdata: torch.Tensor) -> torch.Tensor:
+    """int8 ``qdata`` ([n, k], k even) arranged as :func:`torch.ops.pdserve.pack_bf16_pairs` arranges bf16: [n / 16
+    (n rounded up to 32), k / 2, 16, 2], zeros past feature n: the engine's ``bf16_linear`` widens it as it loads."""
+    n, k = qdata.shape
+    padded = torch.zeros((n + 31) // 32 * 32, k, dtype=torch.int8)
+    padded[:n] = qdata
+    return padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def _blocked_product(rows: torch.Tensor, blocks: torch.Tensor, n: int, kc: int) -> torch.Tensor:

@@ -8,9 +8,10 @@ Methods (:data:`QUANTIZATION_METHODS`, the values of ``--quantization``):
   ~1/4 of their fp32 bytes (~1/2 of bf16). torchao's eager product casts the int8 weight to the activation dtype
   at every call and scales the result. On the CPU the engine then takes the int8 layers into its own layout
   (:class:`~common.engine.cpu_linear.PackedLinear`, ``int8_rows``: fused q|k|v and gate|up, the engine's fused
-  modules), where bf16 products of a few rows run ATen's int8 weight-only kernel (``torch._weight_int8pack_mm``)
-  and the others torchao's form: a bf16 stream decodes about as fast as bf16 itself, batches of streams and fp32
-  models stay slower than full precision (docs/benchmarks.md): int8 saves memory first.
+  modules), where the engine's own bf16 and fp32 kernels read the int8 values directly, widening them in
+  registers (without those kernels: ATen's int8 weight-only kernel for bf16 products of a few rows, torchao's
+  form otherwise). On a 2-core Zen 4 VM a bf16 stream decodes 1.24x faster than bf16 itself, 16 streams at
+  bf16's speed; an fp32 stream 2.9x faster than fp32, 16 streams 1.2x (docs/benchmarks.md).
 - ``int8-dynamic``: torchao's ``Int8DynamicActivationInt8WeightConfig`` (W8A8): the weights as above, and at each
   product every input row (token) quantized to int8 with its own symmetric scale, the product computed in int32
   and scaled back to the model's dtype. The KV cache and the logits stay in the model's dtype. Each token's

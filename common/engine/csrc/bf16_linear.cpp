@@ -14,6 +14,12 @@
 // scalar loop (0.3-0.7 GFLOP/s on a 2-core Zen VM), so this is what makes a bf16 model usable on such CPUs.
 // Accumulation in float; the output rounded once to bf16 (bias added in float first). CPUs with AMX run the same
 // packing through AMX tiles instead (bf16_amx.cpp): there vdpbf16ps ran at half oneDNN's AMX speed from 16 rows.
+//
+// int8 weights (a bf16 model's int8 layers: torchao's values in the same pair layout, cpu_linear._int8_pairs) run
+// the same loops, each pair vector widened in registers as it is loaded (int8 -> float -> bf16, exact: every int8
+// is a bf16): half the bytes of a bf16 weight for the memory-bound rows of decoding. The caller applies the
+// scales. V is the type of one pair vector in memory: __m512i (bf16, 64 bytes) or __m256i (int8, 32 bytes); the
+// AVX2 path reads half-vectors, __m256i or __m128i.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -62,17 +68,29 @@ at::Tensor pack_bf16_pairs(const at::Tensor& w) {
 
 #ifdef PDSERVE_BF16_AVX512
 
+// One pair vector (16 features x 2 inputs) as bf16.
+inline __m512bh load_pairs(const __m512i* v) { return (__m512bh)_mm512_loadu_si512(v); }
+inline __m512bh load_pairs(const __m256i* v) {
+  const __m128i* p = reinterpret_cast<const __m128i*>(v);
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+  // every int8 is exact in bf16: the floats' top halves, in order (lo's 16 values first)
+  const __m512i odd_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                             25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return (__m512bh)_mm512_permutex2var_epi16(_mm512_castps_si512(lo), odd_words, _mm512_castps_si512(hi));
+}
+
 // R rows of x against NB consecutive blocks of 16 features; stores columns [col, col + 16 * NB) of R output rows,
 // masked past n.
-template <int R, int NB>
-inline void tile(const __m512i* w, int64_t kp_count, const uint32_t* x, int64_t x_stride, const float* bias,
+template <int R, int NB, typename V>
+inline void tile(const V* w, int64_t kp_count, const uint32_t* x, int64_t x_stride, const float* bias,
                  c10::BFloat16* out, int64_t out_stride, int64_t col, int64_t n) {
   __m512 acc[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < kp_count; ++kp) {
     __m512bh wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + b * kp_count + kp);
+    for (int b = 0; b < NB; ++b) wv[b] = load_pairs(w + b * kp_count + kp);
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + kp]));
       for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv[b], xv);
@@ -91,21 +109,19 @@ inline void tile(const __m512i* w, int64_t kp_count, const uint32_t* x, int64_t 
 }
 
 // One row, one block: four accumulation chains (a lone row is latency-bound, not compute-bound).
-inline void row_block(const __m512i* w, int64_t kp_count, const uint32_t* x, const float* bias, c10::BFloat16* out,
+template <typename V>
+inline void row_block(const V* w, int64_t kp_count, const uint32_t* x, const float* bias, c10::BFloat16* out,
                       int64_t col, int64_t n) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t kp = 0;
   for (; kp + 4 <= kp_count; kp += 4) {
-    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + kp), (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp])));
-    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + kp + 1),
-                          (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp + 1])));
-    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + kp + 2),
-                          (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp + 2])));
-    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + kp + 3),
-                          (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp + 3])));
+    a0 = _mm512_dpbf16_ps(a0, load_pairs(w + kp), (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp])));
+    a1 = _mm512_dpbf16_ps(a1, load_pairs(w + kp + 1), (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp + 1])));
+    a2 = _mm512_dpbf16_ps(a2, load_pairs(w + kp + 2), (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp + 2])));
+    a3 = _mm512_dpbf16_ps(a3, load_pairs(w + kp + 3), (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp + 3])));
   }
   for (; kp < kp_count; ++kp)
-    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + kp), (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp])));
+    a0 = _mm512_dpbf16_ps(a0, load_pairs(w + kp), (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp])));
   if (col >= n) return;
   const __mmask16 mask = n - col >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - col)) - 1);
   __m512 sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
@@ -129,16 +145,25 @@ inline __m256 even_weights(const __m256i* v) {
 inline __m256 odd_weights(const __m256i* v, __m256i high) {
   return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(v), high));
 }
+// The same from an int8 half-vector (8 features x 2 inputs, 16 bytes): sign-extended to 16-bit pairs, each pair
+// one 32-bit lane whose low half is the even input's value and high half the odd one's.
+inline __m256 even_weights(const __m128i* v) {
+  const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(v));
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
+}
+inline __m256 odd_weights(const __m128i* v, __m256i) {
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_cvtepi8_epi16(_mm_loadu_si128(v)), 16));
+}
 
 // R rows of float x against one block of 16 features (w: the block's first half-vector, two per pair);
 // writes the R x 16 float sums to acc_out.
-template <int R>
-inline void tile_avx2(const __m256i* w, int64_t kp_count, const float* x, int64_t x_stride, float* acc_out) {
+template <int R, typename V>
+inline void tile_avx2(const V* w, int64_t kp_count, const float* x, int64_t x_stride, float* acc_out) {
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 acc[2][R];
   for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
   for (int64_t kp = 0; kp < kp_count; ++kp) {
-    const __m256i* v = w + 2 * kp;
+    const V* v = w + 2 * kp;
     __m256 w0 = even_weights(v), w1 = even_weights(v + 1);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + 2 * kp);
@@ -161,14 +186,15 @@ inline void tile_avx2(const __m256i* w, int64_t kp_count, const float* x, int64_
 
 // One row against one block: even and odd inputs in separate chains, two pairs a turn (eight chains: a lone row
 // is bound by FMA latency and memory, not FMA throughput).
-inline void row_avx2(const __m256i* w, int64_t kp_count, const float* x, float* acc_out) {
+template <typename V>
+inline void row_avx2(const V* w, int64_t kp_count, const float* x, float* acc_out) {
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 a[8];
   for (auto& v : a) v = _mm256_setzero_ps();
   int64_t kp = 0;
   for (; kp + 2 <= kp_count; kp += 2) {
     for (int u = 0; u < 2; ++u) {
-      const __m256i* v = w + 2 * (kp + u);
+      const V* v = w + 2 * (kp + u);
       const __m256 xe = _mm256_broadcast_ss(x + 2 * (kp + u)), xo = _mm256_broadcast_ss(x + 2 * (kp + u) + 1);
       a[4 * u + 0] = _mm256_fmadd_ps(even_weights(v), xe, a[4 * u + 0]);
       a[4 * u + 1] = _mm256_fmadd_ps(even_weights(v + 1), xe, a[4 * u + 1]);
@@ -177,7 +203,7 @@ inline void row_avx2(const __m256i* w, int64_t kp_count, const float* x, float* 
     }
   }
   for (; kp < kp_count; ++kp) {
-    const __m256i* v = w + 2 * kp;
+    const V* v = w + 2 * kp;
     const __m256 xe = _mm256_broadcast_ss(x + 2 * kp), xo = _mm256_broadcast_ss(x + 2 * kp + 1);
     a[0] = _mm256_fmadd_ps(even_weights(v), xe, a[0]);
     a[1] = _mm256_fmadd_ps(even_weights(v + 1), xe, a[1]);
@@ -190,8 +216,8 @@ inline void row_avx2(const __m256i* w, int64_t kp_count, const float* x, float* 
   _mm256_storeu_ps(acc_out + 8, hi);
 }
 
-template <int R>
-inline void rows_avx2(const __m256i* w, int64_t kp_count, const float* x, int64_t k, const float* bias,
+template <int R, typename V>
+inline void rows_avx2(const V* w, int64_t kp_count, const float* x, int64_t k, const float* bias,
                       c10::BFloat16* out, int64_t n, int64_t col) {
   alignas(32) float acc[16 * R];
   tile_avx2<R>(w, kp_count, x, k, acc);
@@ -200,14 +226,15 @@ inline void rows_avx2(const __m256i* w, int64_t kp_count, const float* x, int64_
 
 // Columns [c0, c1) of the packed weight as floats laid out [K, c1 - c0] (c0 a multiple of 16; the last block may
 // run past c1 into zero padding, which is not written).
-void unpack_float(const __m256i* w, int64_t kp_count, int64_t c0, int64_t c1, float* dst) {
+template <typename V>
+void unpack_float(const V* w, int64_t kp_count, int64_t c0, int64_t c1, float* dst) {
   const int64_t width = c1 - c0;
   const int64_t first = c0 / 16, last = (c1 + 15) / 16;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   at::parallel_for(first, last, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t j0 = 16 * b - c0, cols = std::min<int64_t>(16, width - j0);
-      const __m256i* wb = w + 2 * b * kp_count;
+      const V* wb = w + 2 * b * kp_count;
       for (int64_t kp = 0; kp < kp_count; ++kp) {
         float* even = dst + 2 * kp * width + j0;
         float* odd = even + width;
@@ -228,7 +255,8 @@ void unpack_float(const __m256i* w, int64_t kp_count, int64_t c0, int64_t c1, fl
   });
 }
 
-void linear_avx2(const at::Tensor& rows, const __m256i* w, int64_t kp_count, const float* bias, at::Tensor& out) {
+template <typename V>
+void linear_avx2(const at::Tensor& rows, const V* w, int64_t kp_count, const float* bias, at::Tensor& out) {
   const at::Tensor xf = rows.to(at::kFloat);  // bf16 -> float once, not per broadcast
   const float* x = xf.data_ptr<float>();
   const int64_t m = rows.size(0), k = rows.size(1), n = out.size(1);
@@ -267,7 +295,7 @@ void linear_avx2(const at::Tensor& rows, const __m256i* w, int64_t kp_count, con
     const int64_t claim = pdserve::claim_chunk(used_blocks, (r1 - r0) * k * 16);
     pdserve::parallel_claim(used_blocks, claim, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        const __m256i* wb = w + 2 * b * kp_count;
+        const V* wb = w + 2 * b * kp_count;
         int64_t r = r0;
         for (; r + 6 <= r1; r += 6) rows_avx2<6>(wb, kp_count, x + r * k, k, bias, op + r * n, n, 16 * b);
         switch (r1 - r) {
@@ -287,7 +315,8 @@ void linear_avx2(const at::Tensor& rows, const __m256i* w, int64_t kp_count, con
 
 #ifdef PDSERVE_BF16_AVX512
 
-void linear_avx512(const at::Tensor& rows, const __m512i* w, int64_t kp_count, int64_t blocks, const float* bias,
+template <typename V>
+void linear_avx512(const at::Tensor& rows, const V* w, int64_t kp_count, int64_t blocks, const float* bias,
                    c10::BFloat16* op, int64_t n) {
   const int64_t m = rows.size(0);
   const uint32_t* xr = reinterpret_cast<const uint32_t*>(rows.data_ptr());
@@ -299,7 +328,7 @@ void linear_avx512(const at::Tensor& rows, const __m512i* w, int64_t kp_count, i
   }
   pdserve::parallel_claim(blocks / 2, pdserve::claim_chunk(blocks / 2, m * kp_count * 64), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const __m512i* wp = w + 2 * p * kp_count;
+      const V* wp = w + 2 * p * kp_count;
       const int64_t col = 32 * p;
       if (col >= n) continue;
       int64_t r = 0;
@@ -312,25 +341,34 @@ void linear_avx512(const at::Tensor& rows, const __m512i* w, int64_t kp_count, i
 
 #endif
 
-// x [..., K] bf16, packed from pack_bf16_pairs, bias [N] (float or bf16) or None -> [..., N] bf16.
+// x [..., K] bf16, packed from pack_bf16_pairs (or int8 values in its layout), bias [N] (float or bf16) or None
+// -> [..., N] bf16.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                        int64_t n) {
 #ifdef PDSERVE_BF16_LINEAR
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "bf16_linear takes bf16 CPU tensors, got x ", x.scalar_type(), " on ", x.device(), " and packed ",
-              packed.scalar_type());
+  const bool int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && (packed.scalar_type() == at::kBFloat16 || int8) &&
+                  x.device().is_cpu() && packed.device().is_cpu(),
+              "bf16_linear takes a bf16 x and a bf16 or int8 packed weight on the CPU, got x ", x.scalar_type(),
+              " on ", x.device(), " and packed ", packed.scalar_type(), " on ", packed.device());
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
-              "packed must come from pack_bf16_pairs, got shape ", packed.sizes());
+              "packed must come from pack_bf16_pairs (or be int8 in its layout), got shape ", packed.sizes());
   const int64_t k = x.size(-1), kp_count = packed.size(1), blocks = packed.size(0);
   TORCH_CHECK(k == 2 * kp_count && n <= blocks * 16 && blocks % 2 == 0, "bf16_linear: x has ", k,
               " input features and n is ", n, ", packed is ", packed.sizes());
   pdserve::LinearCall call = pdserve::linear_call(x, bias, n);
   if (call.rows.size(0) == 0) return call.out.view(call.shape);
 #ifdef PDSERVE_BF16_AVX512
-  linear_avx512(call.rows, reinterpret_cast<const __m512i*>(packed.data_ptr()), kp_count, blocks, call.bias_ptr(),
-                call.out.data_ptr<c10::BFloat16>(), n);
+  c10::BFloat16* op = call.out.data_ptr<c10::BFloat16>();
+  if (int8)
+    linear_avx512(call.rows, static_cast<const __m256i*>(packed.data_ptr()), kp_count, blocks, call.bias_ptr(), op, n);
+  else
+    linear_avx512(call.rows, static_cast<const __m512i*>(packed.data_ptr()), kp_count, blocks, call.bias_ptr(), op, n);
 #else
-  linear_avx2(call.rows, reinterpret_cast<const __m256i*>(packed.data_ptr()), kp_count, call.bias_ptr(), call.out);
+  if (int8)
+    linear_avx2(call.rows, static_cast<const __m128i*>(packed.data_ptr()), kp_count, call.bias_ptr(), call.out);
+  else
+    linear_avx2(call.rows, static_cast<const __m256i*>(packed.data_ptr()), kp_count, call.bias_ptr(), call.out);
 #endif
   return call.out.view(call.shape);
 #else

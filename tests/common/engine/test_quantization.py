@@ -130,13 +130,19 @@ def _fp32_kernel(kernel: bool) -> None:
         pytest.skip(f"no fp32_linear kernel here: {cpu_kernels.unavailable_reason() or 'not built for this CPU'}")
 
 
+def _bf16_kernel_here() -> bool:
+    return cpu_kernels.load() and torch.ops.pdserve.bf16_linear_supported()
+
+
 @pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_int8_layer_computes_what_torchao_does(dtype, kernel):
-    """bf16 products of up to INT8_PACK_ROWS rows (ATen's int8 weight-only kernel) within a rounding of torchao's,
-    larger ones exactly torchao's; fp32 ones (oneDNN, or the engine's fp32 kernel over the values in its blocks)
-    within summation order of torchao's; sibling layers fused into one product give each layer's columns (80 of
-    them: the last block half full)."""
+    """bf16 products by the engine's bf16 kernel over the int8 values in its pairs (where built: up to
+    INT8_PACK_ROWS rows on AMX CPUs, any number elsewhere) bit for bit its product over the weight widened to bf16,
+    then scaled as torchao scales, and within a rounding of torchao's; without it, up to INT8_PACK_ROWS rows
+    (ATen's int8 weight-only kernel) within a rounding of torchao's, larger ones exactly torchao's; fp32 ones
+    (oneDNN, or the engine's fp32 kernel over the values in its blocks) within summation order of torchao's;
+    sibling layers fused into one product give each layer's columns (80 of them: the last block half full)."""
     _fp32_kernel(kernel)
     layers = [torch.nn.Linear(96, n, bias=True, dtype=dtype) for n in (48, 16, 16)]
     stock = torch.nn.ModuleList(layers)
@@ -144,6 +150,7 @@ def test_an_int8_layer_computes_what_torchao_does(dtype, kernel):
     packed = [PackedLinear(m, kernel=kernel) for m in stock]
     fused = PackedLinear.concatenated(list(stock), kernel=kernel)
     assert {p.blocked for p in (*packed, fused)} == {kernel and dtype == torch.float32}
+    assert {p.pairs for p in (*packed, fused)} == {kernel and dtype == torch.bfloat16 and _bf16_kernel_here()}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for rows in (1, 3, INT8_PACK_ROWS, INT8_PACK_ROWS + 1, 40):
@@ -151,13 +158,38 @@ def test_an_int8_layer_computes_what_torchao_does(dtype, kernel):
             want = [torch.nn.functional.linear(x, m.weight, m.bias) for m in stock]
             got = [p(x) for p in packed]
             together = fused(x).split([48, 16, 16], dim=-1)
-            for w, a, b in zip(want, got, together):
+            for m, p, w, a, b in zip(stock, packed, want, got, together):
                 if dtype == torch.float32:
                     assert torch.allclose(a, w, rtol=1e-5, atol=1e-5) and torch.allclose(b, w, rtol=1e-5, atol=1e-5)
+                elif p.pairs and (p.pair_rows is None or rows <= p.pair_rows):
+                    widened = torch.ops.pdserve.pack_bf16_pairs(m.weight.qdata.to(dtype))
+                    own = torch.ops.pdserve.bf16_linear(x, widened, None, p.out_features) * p.scale + m.bias
+                    assert torch.equal(a, own) and torch.equal(b, own), rows
+                    assert torch.allclose(a.float(), w.float(), rtol=0.02, atol=0.02), rows
                 elif rows > INT8_PACK_ROWS:
                     assert torch.equal(a, w) and torch.equal(b, w), rows
                 else:
                     assert torch.allclose(a.float(), w.float(), rtol=0.02, atol=0.02) and torch.equal(a, b), rows
+
+
+def test_an_int8_layer_in_pairs_takes_torchaos_form_past_its_pair_rows():
+    """On AMX CPUs (``pair_rows``: INT8_PACK_ROWS there) larger bf16 products take torchao's form over the values
+    taken back out of the pairs: exactly torchao's product, fused or not."""
+    if not _bf16_kernel_here():
+        pytest.skip("no bf16_linear kernel here")
+    stock = torch.nn.ModuleList([torch.nn.Linear(96, n, bias=True, dtype=torch.bfloat16) for n in (48, 16, 16)])
+    quantize_model(stock, INT8)
+    packed = [PackedLinear(m, kernel=True) for m in stock]
+    fused = PackedLinear.concatenated(list(stock), kernel=True)
+    x = torch.randn(INT8_PACK_ROWS + 3, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.inference_mode():
+        for p in (*packed, fused):
+            assert p.pairs
+            p.pair_rows = INT8_PACK_ROWS
+        together = fused(x).split([48, 16, 16], dim=-1)
+        for m, p, t in zip(stock, packed, together):
+            want = torch.nn.functional.linear(x, m.weight, m.bias)
+            assert torch.equal(p(x), want) and torch.equal(t, want)
 
 
 @pytest.mark.parametrize("sums", ["onednn_u8", "float", "float_blocked", "int_mm"])
@@ -296,13 +328,16 @@ def test_dynamic_int8_engine_is_batch_invariant_and_agrees_with_stock_generate(d
 
 @pytest.mark.slow
 def test_bf16_int8_engine_stays_within_bf16_rounding_of_stock_on_the_int8_model(model_dir):
-    """In bf16, decode steps of one and of several sequences (ATen's int8 kernel at up to INT8_PACK_ROWS rows,
-    torchao's product above) against stock over the same int8 weights (torchao's product everywhere): the engine's
-    logits are as far from stock fp32's as stock bf16's are, row by row (measured: 0.82-1.17x of stock bf16's
-    0.20-0.64 on a 2-core AVX2 EPYC, whose bf16 kernels round differently from an AVX512-BF16 CPU's), and near
-    stock bf16's. A wrong slice of a fused product is off by whole units."""
+    """In bf16, decode steps of one and of several sequences (the engine's bf16 kernel over the int8 values where
+    built, else ATen's int8 kernel at up to INT8_PACK_ROWS rows and torchao's product above) against stock over
+    the same int8 weights (torchao's product everywhere): the engine's logits are as far from stock fp32's as
+    stock bf16's are, row by row (measured: 0.82-1.17x of stock bf16's 0.20-0.64 on a 2-core AVX2 EPYC, whose
+    bf16 kernels round differently from an AVX512-BF16 CPU's), and near stock bf16's. A wrong slice of a fused
+    product is off by whole units."""
     engine = LLMEngine(load_model(model_dir, dtype="bfloat16", quantization=INT8), EngineConfig(num_kv_blocks=200))
-    assert {m.layout for m in engine.loaded.model.modules() if isinstance(m, PackedLinear)} == {"int8_rows"}
+    packed = [m for m in engine.loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert {m.layout for m in packed} == {"int8_rows"}
+    assert {m.pairs for m in packed} == {_bf16_kernel_here()}  # bf16 products by the bf16 kernel where built
     reference = load_model(model_dir, dtype="bfloat16", quantization=INT8).model
     exact = load_model(model_dir, dtype="float32", quantization=INT8).model
     for n in (1, INT8_PACK_ROWS + 2):
