@@ -133,6 +133,9 @@ class PackedLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         packed = _onednn_u8s8(qdata) if layout == "int8_dynamic" else None
         self.sums = None  # where an int8_dynamic layer's int32 sums come from
+        # an int8_dynamic layer's rows quantized and its sums scaled back by the engine's kernels (quantize.cpp)
+        self.ends = (kernel and layout == "int8_dynamic" and qdata.device.type == "cpu"
+                     and self.dtype in _PACKABLE_DTYPES)  # fmt: skip
         if layout == "int8_dynamic":
             exact = packed is None and _float_sums_exact(qdata, fp32_kernel)
             self.sums = "onednn_u8" if packed is not None else "float" if exact else "int_mm"
@@ -211,6 +214,16 @@ class PackedLinear(torch.nn.Module):
         # choose_qparams_affine / quantize_affine of each row, then int_scaled_matmul; tests compare bit for bit).
         # The int32 sums are exact whichever int8 GEMM computes them. Rows: one token each, quantized on its own.
         rows = x.reshape(-1, self.in_features)
+        if self.ends:  # the same steps, one pass each (at one row, torchao's dozen ops cost more than the GEMM)
+            q, x_scale = torch.ops.pdserve.quantize_rows(rows, self.sums == "onednn_u8")
+            if self.sums == "onednn_u8":
+                sums = _qlinear_sums(q, self.weight, self._ones, self._zeros)
+            elif self.sums == "float":
+                sums = _float_sums(q, self.weight, self.out_features, self.blocked)
+            else:
+                sums = torch._int_mm(q, self.weight.t()).float()
+            y = torch.ops.pdserve.dequantize_sums(sums, x_scale, self.scale, self.bias, x.dtype == torch.bfloat16)
+            return y.reshape(*x.shape[:-1], self.out_features)
         x_scale = (rows.abs().amax(dim=1, keepdim=True) / 127.5).clamp(min=_INT8_EPS).float()
         q = torch.round(rows * (1.0 / x_scale)).clamp_(-128, 127).to(torch.int8)
         if self.sums == "onednn_u8":  # q + 128 as uint8 (a flip of the sign bit) against a zero point of 128

@@ -407,6 +407,44 @@ def test_fp32_linear_over_int8_blocks_is_the_widened_weights_product_bit_for_bit
         torch.ops.pdserve.fp32_linear(x, blocks.to(torch.int16), b, out_features, k0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,k", [(1, 1024), (3, 2816), (17, 1000), (300, 96)])
+def test_quantize_rows_and_dequantize_sums_round_where_torchao_rounds(dtype, rows, k):
+    """W8A8's ends in one pass each, bit for bit torchao's tensor ops (common/engine/cpu_linear.py,
+    _int8_dynamic_forward): each row's scale (amax / 127.5 in the row's dtype, floored at fp32's eps: the zero row),
+    values at half steps (round half to even), the range's ends, 16-wide vectors and the elements after them; the
+    sums scaled by the row's scale, rounded to the dtype, scaled by the weight's and the bias added, each rounded."""
+    g = torch.Generator().manual_seed(rows * k)
+    x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 5).to(dtype)
+    x[0, :5] = torch.tensor([0.5, 1.5, -2.5, 127.5, -0.5]).to(dtype)
+    if rows > 2:
+        x[2] = 0
+    x_scale = (x.abs().amax(dim=1, keepdim=True) / 127.5).clamp(min=torch.finfo(torch.float32).eps).float()
+    q = torch.round(x * (1.0 / x_scale)).clamp_(-128, 127).to(torch.int8)
+    got_q, got_scale = torch.ops.pdserve.quantize_rows(x, False)
+    assert torch.equal(got_q, q) and torch.equal(got_scale, x_scale)
+    offset, offset_scale = torch.ops.pdserve.quantize_rows(x.t().contiguous().t(), True)  # strided rows too
+    assert offset.dtype == torch.uint8 and torch.equal(offset, q.view(torch.uint8) ^ 128)
+    assert torch.equal(offset_scale, x_scale)
+    n = 777
+    sums = torch.randint(-(2**20), 2**20, (rows, n), generator=g).float()
+    w_scale = torch.rand(n, generator=g) * 0.01
+    bias = torch.randn(n, generator=g).to(dtype)
+    for b in (bias, None):
+        y = sums * x_scale
+        if dtype != torch.float32:
+            y.copy_(y.to(dtype))
+        y.mul_(w_scale)
+        if b is not None:
+            y.add_(b)
+        got = torch.ops.pdserve.dequantize_sums(sums, x_scale, w_scale, b, dtype == torch.bfloat16)
+        assert got.dtype == dtype and torch.equal(got, y.to(dtype))
+    with pytest.raises(RuntimeError, match="float32 or bf16 CPU rows"):
+        torch.ops.pdserve.quantize_rows(x.half(), False)
+    with pytest.raises(RuntimeError, match="x_scale must be"):
+        torch.ops.pdserve.dequantize_sums(sums, x_scale[:-1], w_scale, None, False)
+
+
 def test_engine_without_kernels_keeps_the_pytorch_paths(tiny_model_dir):
     """``PDSERVE_CPU_KERNELS=0``: load() says why, the engine decodes through the gather/in-place paths."""
     code = (

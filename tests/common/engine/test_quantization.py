@@ -192,15 +192,18 @@ def test_an_int8_layer_in_pairs_takes_torchaos_form_past_its_pair_rows():
             assert torch.equal(p(x), want) and torch.equal(t, want)
 
 
+@pytest.mark.parametrize("ends", [False, True])
 @pytest.mark.parametrize("sums", ["onednn_u8", "float", "float_blocked", "int_mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_dynamic_int8_layer_computes_what_torchao_does_bit_for_bit(dtype, sums, monkeypatch):
+def test_a_dynamic_int8_layer_computes_what_torchao_does_bit_for_bit(dtype, sums, ends, monkeypatch):
     """W8A8 layers (alone, and siblings fused into one product) against torchao's own product, for any row count,
     with weights and inputs at the int8 range's ends (sums past 2**24; a CPU whose u8s8 pair sums saturate), by
     each source of the int32 sums (float sums by oneDNN or by the engine's fp32 kernel over the values in its
-    blocks)."""
+    blocks), the rows quantized and the sums scaled back by torch ops or (``ends``) by the engine's kernels."""
     kernel = sums == "float_blocked"
     _fp32_kernel(kernel)
+    if ends and not cpu_kernels.load():
+        pytest.skip(f"no engine kernels here: {cpu_kernels.unavailable_reason()}")
     sums = "float" if kernel else sums
     if sums != "onednn_u8":
         monkeypatch.setattr(cpu_linear, "_onednn_u8s8", lambda qdata: None)
@@ -218,6 +221,9 @@ def test_a_dynamic_int8_layer_computes_what_torchao_does_bit_for_bit(dtype, sums
     fused = PackedLinear.concatenated(list(stock), kernel=kernel)
     assert {p.layout for p in (*packed, fused)} == {"int8_dynamic"}
     assert {p.sums for p in (*packed, fused)} == {sums} and {p.blocked for p in (*packed, fused)} == {kernel}
+    assert {p.ends for p in (*packed, fused)} == {kernel}  # the kernels' ends wherever the kernels are used
+    for p in (*packed, fused):
+        p.ends = ends
     with torch.inference_mode():
         for rows in (1, 3, 17, 64):
             x = (torch.randn(rows, 2816, generator=g) * 4).to(dtype)
