@@ -569,8 +569,9 @@ def _blocked_product(rows: torch.Tensor, blocks: torch.Tensor, n: int, kc: int) 
     engine's ``fp32_linear``, which widens each weight in a register as it loads it (the same products, bit for
     bit, as the weight widened and packed as floats, from a quarter of its bytes). ``kc`` < ``k`` splits the
     inputs into slices of ``kc`` whose products are integers, added in int32 (:func:`_float_sums`). Against
-    widening each 2 MiB tile of blocks into a buffer for that kernel first, on a 2-core Zen 4 VM: 1 row x 512 x
-    2,816 0.22 -> see docs/benchmarks.md (session 32)."""
+    widening each 2 MiB tile of blocks into a buffer for that kernel first (session 30), on a 2-core Zen 4 VM:
+    1 row x 512 x 2,816 0.22 -> 0.032 ms, the LM head's 32,000 outputs 2.5 -> 0.29, 16 rows 0.40 -> 0.22, 2,048
+    rows 1.07x."""
     k = rows.shape[1]
     kc = min(k, kc)
     if k == kc:

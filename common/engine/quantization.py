@@ -10,8 +10,8 @@ Methods (:data:`QUANTIZATION_METHODS`, the values of ``--quantization``):
   (:class:`~common.engine.cpu_linear.PackedLinear`, ``int8_rows``: fused q|k|v and gate|up, the engine's fused
   modules), where the engine's own bf16 and fp32 kernels read the int8 values directly, widening them in
   registers (without those kernels: ATen's int8 weight-only kernel for bf16 products of a few rows, torchao's
-  form otherwise). On a 2-core Zen 4 VM a bf16 stream decodes 1.24x faster than bf16 itself, 16 streams at
-  bf16's speed; an fp32 stream 2.9x faster than fp32, 16 streams 1.2x (docs/benchmarks.md).
+  form otherwise). On a 2-core Zen 4 VM a bf16 stream decodes 1.2-1.6x faster than bf16 itself, 16 streams at
+  bf16's speed; an fp32 stream 2-2.9x faster than fp32, 16 streams 1.0-1.2x (docs/benchmarks.md, session 32).
 - ``int8-dynamic``: torchao's ``Int8DynamicActivationInt8WeightConfig`` (W8A8): the weights as above, and at each
   product every input row (token) quantized to int8 with its own symmetric scale, the product computed in int32
   and scaled back to the model's dtype. The KV cache and the logits stay in the model's dtype. Each token's
