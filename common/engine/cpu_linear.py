@@ -452,13 +452,15 @@ def _fuse_siblings(model: torch.nn.Module, kernel: bool = False, prefill: bool =
 
 
 def _keep_apart(names: tuple[str, ...], first: torch.nn.Linear, kernel: bool, prefill: bool) -> bool:
-    """Whether a prefill worker keeps a gated MLP's gate and up products apart: bf16 layers in oneDNN's layout
-    (its AMX GEMM; the engine's kernels then compute the activation from both, :class:`FusedGatedMLP`). oneDNN
+    """Whether a prefill worker keeps a gated MLP's gate and up products apart: bf16 layers in oneDNN's layout on
+    an AMX CPU (its AMX GEMM; the engine's kernels then compute the activation from both, :class:`FusedGatedMLP`;
+    a build without the bf16 kernel elsewhere keeps oneDNN's layout for both roles, fused as for decode). oneDNN
     ran the 0.35B model's gate/up product of a 2,048-token prompt (2 x 2,816 features) at 10.1-11.2 ms a layer as
     one product and 8.9-9.8 ms as two (an Intel Xeon with AMX, weights and inputs cold as in a forward pass); the
     q/k/v product (2,048 features) and the down projection split gained nothing."""
-    return (kernel and prefill and names == ("gate_proj", "up_proj") and _plain(first)
-            and first.weight.dtype == torch.bfloat16 and _own_layout(first.weight, prefill) == "onednn")  # fmt: skip
+    return (kernel and prefill and names == ("gate_proj", "up_proj") and _plain(first) and "amx_bf16" in
+            cpu_kernels.cpu_flags() and first.weight.dtype == torch.bfloat16
+            and _own_layout(first.weight, prefill) == "onednn")  # fmt: skip
 
 
 def _plain(linear: torch.nn.Linear) -> bool:

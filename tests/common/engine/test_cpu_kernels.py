@@ -572,6 +572,31 @@ def test_an_engine_packed_for_prefill_keeps_onednn_layouts_for_bf16_on_amx(tiny_
         EngineConfig(weight_layout="auto")
 
 
+def test_a_prefill_engine_on_amx_runs_gate_and_up_apart_wherever_it_runs(tiny_model_dir, monkeypatch):
+    """The AMX prefill worker's MLP (gate and up as two oneDNN products, ``silu_mul_parts`` over both) on any CPU,
+    its flags made to say AMX: the same tokens as the fused decode layout. Without AMX in the flags a prefill engine
+    keeps the decode layout's fused MLPs (a build without the bf16 kernel packs oneDNN's layout for both roles)."""
+    from common.engine.config import EngineConfig
+    from common.engine.cpu_linear import FusedGatedMLP
+    from common.engine.engine import LLMEngine
+    from common.engine.loader import load_model
+    from common.engine.sampling_params import SamplingParams
+
+    if not cpu_kernels.load() or not torch.ops.pdserve.bf16_linear_supported():
+        pytest.skip("needs the engine's kernels with bf16_linear")
+    model = tiny_model_dir("llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                           num_key_value_heads=2)  # fmt: skip
+    prompts = [[5 + i * 7 + j for j in range(40 + 9 * i)] for i in range(3)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    decode = LLMEngine(load_model(model, dtype="bfloat16"), EngineConfig(weight_layout="decode"))
+    want = [r.token_ids for r in decode.generate(prompts, params)]
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    prefill = LLMEngine(load_model(model, dtype="bfloat16"), EngineConfig(weight_layout="prefill"))
+    mlps = [m for m in prefill.runner.model.modules() if isinstance(m, FusedGatedMLP)]
+    assert len(mlps) == 4 and all(m.gate_up is None for m in mlps)
+    assert [r.token_ids for r in prefill.generate(prompts, params)] == want
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 16, 700])
 def test_write_kv_puts_each_row_where_index_copy_does(dtype, tokens):
