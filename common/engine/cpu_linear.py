@@ -130,6 +130,8 @@ class PackedLinear(torch.nn.Module):
         # weight-only: torchao scales in the activation dtype; dynamic: in its own (fp32), as it multiplies
         self.register_buffer("scale", (scale.to(self.dtype) if layout == "int8_rows" else scale).contiguous())
         bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+        if bias is not None and layout == "int8_dynamic":  # added to fp32 sums: converted once, not at every call
+            bias = bias.float()
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         packed = _onednn_u8s8(qdata) if layout == "int8_dynamic" else None
         self.sums = None  # where an int8_dynamic layer's int32 sums come from

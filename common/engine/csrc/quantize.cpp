@@ -109,8 +109,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, bool offse
   return {q, scale};
 }
 
-// sums [M, N] float (a GEMM's int32 sums), x_scale [M, 1] float, w_scale [N] float, bias [N] (any float dtype) or
-// None -> [M, N] of `bf16 ? bf16 : float`. Compiled without contraction (the build's -ffp-contract=fast would fuse
+// sums [M, N] float (a GEMM's int32 sums), x_scale [M, 1] float, w_scale [N] float, bias [N] (float: used as it
+// is; bf16: converted, exactly) or None -> [M, N] of `bf16 ? bf16 : float`. Compiled without contraction (the build's -ffp-contract=fast would fuse
 // the weight scale's product and the bias's sum into one rounding, where torchao rounds each).
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")

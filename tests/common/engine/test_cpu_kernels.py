@@ -317,6 +317,32 @@ def test_bf16_linear_matches_float_matmul(rows, out_features, bias):
         torch.ops.pdserve.bf16_linear(x, packed, b, out_features + 64)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 13, 130])
+@pytest.mark.parametrize("out_features,in_features", [(1000, 256), (70, 1408)])
+def test_bf16_linear_over_int8_pairs_is_the_widened_weights_product_bit_for_bit(rows, out_features, in_features):
+    """int8 values in the pair layout (an int8 bf16 model's weight, cpu_linear._int8_pairs) widened in registers:
+    the same output, bit for bit, as the weight widened to bf16 and packed in pairs, in every regime (one row, the
+    AVX-512 tiles of 8, 4 and 1 rows, AVX2's row tiles and its widened slices from 128 rows), the range's ends and
+    output features past the last full block."""
+    if not torch.ops.pdserve.bf16_linear_supported():
+        pytest.skip("this build has no AVX512-BF16 or AVX2 with FMA")
+    from common.engine import cpu_linear
+
+    g = torch.Generator().manual_seed(rows + out_features)
+    w = torch.randint(-128, 128, (out_features, in_features), generator=g, dtype=torch.int32).to(torch.int8)
+    w[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    b = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    pairs = cpu_linear._int8_pairs(w)
+    got = torch.ops.pdserve.bf16_linear(x, pairs, b, out_features)
+    want = torch.ops.pdserve.bf16_linear(x, torch.ops.pdserve.pack_bf16_pairs(w.bfloat16()), b, out_features)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features) and torch.equal(got, want)
+    expected = torch.nn.functional.linear(x.float(), w.float(), b)
+    torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=2**-7 * expected.abs().max().item())
+    with pytest.raises(RuntimeError, match="bf16 or int8 packed weight"):
+        torch.ops.pdserve.bf16_linear(x, pairs.to(torch.int16), b, out_features)
+
+
 def test_bf16_linear_many_rows_over_column_slices():
     """Prefill-sized inputs with wide rows: the AVX2 build widens the weight a slice of columns at a time (512 at
     2048 inputs, so 1000 outputs take a full slice and a shorter last one) for torch's fp32 GEMM."""
