@@ -39,6 +39,7 @@ from common.engine.fused_attention import fuse_rope_attention
 from common.engine.kv_cache import KVCacheSpec, PagedKVCache
 from common.engine.kv_tiers import KVTiers
 from common.engine.model_runner import ModelRunner
+from common.engine.model_support import check_model
 from common.engine.prefix_cache import block_hashes
 from common.engine.quantization import trim_heap
 from common.engine.request import (
@@ -111,6 +112,7 @@ class LLMEngine(KVHandoffMixin):
         num_blocks = self._resolve_num_blocks()
         if tp is not None:  # every rank must hold the same block ids
             num_blocks = tp.agree_min(num_blocks)
+        check_model(loaded.model, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, self.max_model_len)
         loaded.model.set_attn_implementation(attention.register())
         kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels.load()
         if config.cpu_packed_linear and packing_supported(loaded.dtype, self.device) and tp is None:

@@ -1,0 +1,160 @@
+"""The engine on the families of checkpoints ``transformers`` ships, beyond Llama, Qwen2 and Mistral.
+
+Each case is a two-layer random checkpoint of the family's own classes (the tokenizer of the tiny Llama beside
+it). What the engine serves must give stock ``generate``'s greedy tokens in fp32 (prompts over several blocks,
+chunked prefill, a batch); what it cannot compute as ``transformers`` does (common/engine/model_support.py) must
+be refused when the engine is built, with the reason named: a refusal nobody sees fails this file.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.loader import load_model
+from common.engine.model_support import UnsupportedModelError, check_model
+from common.engine.sampling_params import SamplingParams
+from tests.conftest import hf_greedy
+
+VOCAB = 4096
+BASE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)  # fmt: skip
+TWO_TYPES = ["sliding_attention", "full_attention"]
+
+# name: (config class, causal-LM class, config overrides)
+SERVED = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),  # q/k norms
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=32)),  # scaled embeddings, GeLU
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=32, sliding_window=48, layer_types=TWO_TYPES)),
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM",  # the last two layers reuse the K/V of earlier ones
+                dict(head_dim=32, num_hidden_layers=4, num_kv_shared_layers=2, layer_types=TWO_TYPES * 2,
+                     sliding_window=48, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4,
+                     intermediate_size=[256] * 4, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),  # fused qkv and gate/up
+    "phi": ("PhiConfig", "PhiForCausalLM", {}),  # partial rotary, parallel attention and MLP
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", "gpt2"),  # learned absolute positions
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(sliding_window=48)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=32)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),  # layers without RoPE
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(head_dim=32, sliding_window=48)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=128)),  # fmt: skip
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM",
+                    dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=64))),  # fmt: skip
+    "qwen2_yarn": ("Qwen2Config", "Qwen2ForCausalLM",
+                   dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128))),
+}
+
+# name: (config class, causal-LM class, config overrides, what the refusal must say)
+REFUSED = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=32, sliding_window=48), "softcap=50.0"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=48, layer_types=TWO_TYPES),
+                "s_aux=a tensor of shape [4] (attention sink logits"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+                         kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+                         n_group=1, topk_group=1),
+                    "keys [heads 4, size 32] and values [heads 4, size 32] do not fit the KV cache's 2 heads of 16"),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}, "does not pass keyword arguments on"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(head_dim=32, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                        linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64),
+                   "1 attention calls over layers [1] in a forward of its 2 layers"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention"], block_ff_dim=256),
+             "(layer_types ['conv', 'full_attention'])"),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(head_dim=32, num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=256,
+                    no_rope_layers=[1, 0], attention_chunk_size=64),
+               "chunks of 64 tokens, which the engine does not compute; max_model_len 512 is longer"),
+}
+PROMPT_LENS = [1, 17, 77, 150]
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model_dir, tmp_path_factory):
+    """``checkpoint(name, table)`` -> the directory of that family's random checkpoint, built once."""
+    tokenizer_dir = Path(tiny_model_dir("llama"))
+    built: dict[str, str] = {}
+
+    def get(name: str, table: dict) -> str:
+        if name not in built:
+            config_cls, model_cls, overrides = table[name][:3]
+            if overrides == "gpt2":
+                config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512,
+                                                 bos_token_id=1, eos_token_id=2)  # fmt: skip
+            else:
+                config = getattr(transformers, config_cls)(**{**BASE, **overrides})
+            torch.manual_seed(0)
+            out = tmp_path_factory.mktemp(name)
+            getattr(transformers, model_cls)(config).eval().save_pretrained(out)
+            for f in tokenizer_dir.iterdir():
+                if f.name.startswith(("tokenizer", "special_tokens")):
+                    shutil.copy(f, out)
+            built[name] = str(out)
+        return built[name]
+
+    return get
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SERVED))
+def test_fp32_greedy_equals_generate(name, checkpoint, hf_reference):
+    d = checkpoint(name, SERVED)
+    engine = LLMEngine(load_model(d), EngineConfig(prefill_chunk_size=48, max_num_batched_tokens=128))
+    batch = prompts()
+    results = engine.generate(batch, [GREEDY] * len(batch))
+    reference = hf_reference(d)
+    for prompt, result in zip(batch, results):
+        assert result.token_ids == hf_greedy(reference, prompt, GREEDY.max_new_tokens), f"{len(prompt)} tokens"
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_what_the_engine_cannot_compute_is_refused_naming_why(name, checkpoint):
+    with pytest.raises(UnsupportedModelError, match=f"model_type '{name}") as refused:
+        LLMEngine(load_model(checkpoint(name, REFUSED)), EngineConfig(num_kv_blocks=32))
+    assert REFUSED[name][3] in str(refused.value)
+
+
+def test_chunked_attention_is_served_within_one_chunk(checkpoint, hf_reference):
+    """Llama 4's chunked attention is causal attention while no sequence outgrows a chunk: ``max_model_len`` at the
+    chunk size serves it, and its output is stock's."""
+    d = checkpoint("llama4", REFUSED)
+    engine = LLMEngine(load_model(d), EngineConfig(max_model_len=64, prefill_chunk_size=16))
+    batch = [p[:40] for p in prompts()]
+    results = engine.generate(batch, [GREEDY] * len(batch))
+    for prompt, result in zip(batch, results):
+        assert result.token_ids == hf_greedy(hf_reference(d), prompt, GREEDY.max_new_tokens)
+
+
+def test_the_probe_leaves_the_model_as_it_found_it(checkpoint):
+    loaded = load_model(checkpoint("qwen3", SERVED))
+    before = loaded.model.config._attn_implementation
+    check_model(loaded.model, num_kv_heads=2, head_dim=32, max_model_len=512)
+    assert loaded.model.config._attn_implementation == before
+    with pytest.raises(UnsupportedModelError, match="do not fit the KV cache's 2 heads of 64"):
+        check_model(loaded.model, num_kv_heads=2, head_dim=64, max_model_len=512)
+    assert loaded.model.config._attn_implementation == before  # restored after a refusal too
