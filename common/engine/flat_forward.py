@@ -1,4 +1,4 @@
-"""A Llama, Qwen2 or Mistral model run by the engine as one loop over its layers, without the module tree.
+"""A Llama, Qwen2, Qwen3 or Mistral model run by the engine as one loop over its layers, without the module tree.
 
 Once :mod:`common.engine.cpu_linear` and :mod:`common.engine.fused_attention` have swapped in the engine's
 fused modules, a decoder layer is six operator calls (the q/k/v product, the rotary kernel, the paged attention,
@@ -30,6 +30,7 @@ from common.engine.fused_attention import RopeAttention
 _LAYOUTS = {
     "LlamaForCausalLM": ("LlamaModel", "LlamaDecoderLayer"),
     "Qwen2ForCausalLM": ("Qwen2Model", "Qwen2DecoderLayer"),
+    "Qwen3ForCausalLM": ("Qwen3Model", "Qwen3DecoderLayer"),
     "MistralForCausalLM": ("MistralModel", "MistralDecoderLayer"),
 }
 

@@ -1,10 +1,11 @@
-"""Llama-, Qwen2- and Mistral-style attention over the fused q/k/v product, the rotary embedding one kernel call.
+"""Llama-, Qwen2/3- and Mistral-style attention over the fused q/k/v product, the rotary embedding one kernel call.
 
 transformers' attention module projects q, k and v (here three slices of one fused product, see
 :mod:`common.engine.cpu_linear`), then rotates q and k with ``apply_rotary_pos_emb``: fourteen small operators a
 layer. :class:`RopeAttention` computes the fused product, rotates its query and key columns in place with
 ``torch.ops.pdserve.rotary_`` (transformers' roundings, so the same numbers) and hands views of it to the
-registered attention function, as the module it replaces would.
+registered attention function, as the module it replaces would. Qwen3's RMSNorm of each query and key head
+(``q_norm``, ``k_norm``, between the projection and RoPE) runs on those columns first, written back in place.
 
 :func:`fuse_rope_attention` swaps it in only where the module is one of the classes whose forward it repeats,
 its q/k/v are one fused product, and the kernel gives exactly what the module's own ``apply_rotary_pos_emb``
@@ -29,12 +30,14 @@ log = logging.getLogger(__name__)
 _ROPE_ATTENTIONS = {
     "LlamaAttention": lambda module: {},
     "Qwen2Attention": lambda module: {"sliding_window": module.sliding_window},
+    "Qwen3Attention": lambda module: {"sliding_window": module.sliding_window},
     "MistralAttention": lambda module: {"sliding_window": getattr(module.config, "sliding_window", None)},
 }
 
 
 class RopeAttention(torch.nn.Module):
-    """Stands where a Llama/Qwen2/Mistral attention module stood; keeps it for its settings and output projection."""
+    """Stands where a Llama/Qwen2/Qwen3/Mistral attention module stood; keeps it for its settings, its output
+    projection and Qwen3's per-head norms."""
 
     def __init__(self, attention: torch.nn.Module, qkv: FusedLinear, num_q_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:  # fmt: skip
@@ -47,6 +50,9 @@ class RopeAttention(torch.nn.Module):
         # what the attention function gets besides the module's own settings (a constant of the layer)
         self.extra = _ROPE_ATTENTIONS[type(attention).__name__](attention)
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
+        # Qwen3: each query and key head RMS-normed before RoPE (query columns first, then key columns)
+        self.head_norms = ((attention.q_norm, 0, num_q_heads), (attention.k_norm, self.splits[0], num_kv_heads)) \
+            if hasattr(attention, "q_norm") else ()  # fmt: skip
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, cache=None, **kwargs):  # fmt: skip
@@ -63,10 +69,13 @@ class RopeAttention(torch.nn.Module):
     def project(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
         """The rotated query and key and the value, [batch, heads, tokens, head size] views of one product."""
         shape = hidden_states.shape[:-1]
-        qkv = self._qkv[0].linear(hidden_states)  # a fresh tensor: rotated in place
+        qkv = self._qkv[0].linear(hidden_states)  # a fresh tensor: normed and rotated in place
+        d = self.heads[2]
+        for norm, start, heads in self.head_norms:
+            cols = qkv[..., start : start + heads * d]
+            cols.copy_(norm(cols.view(*shape, heads, d)).view(*shape, heads * d))
         cos, sin = position_embeddings
         torch.ops.pdserve.rotary_(qkv, cos, sin, *self.heads)
-        d = self.heads[2]
         return [part.view(*shape, -1, d).transpose(1, 2) for part in qkv.split(self.splits, dim=-1)]
 
 
@@ -108,16 +117,24 @@ def _fitting(module: torch.nn.Module) -> tuple[FusedLinear, tuple[int, int, int]
     if any(p._fused[0] is not fused for p in parts) or [p.index for p in parts] != [0, 1, 2] \
             or len(fused.bounds) != 3:  # fmt: skip
         return None
-    if any(hasattr(module, n) for n in ("q_norm", "k_norm")):  # Qwen3-style norms between projection and RoPE
-        return None
     config = module.config
     head_dim = module.head_dim
+    norms = [getattr(module, n, None) for n in ("q_norm", "k_norm")]
+    if norms != [None, None] and not all(_head_norm(n, head_dim) for n in norms):
+        return None
     if head_dim % 2 or getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
         return None
     q, k = parts[0].out_features, parts[1].out_features
     if q % head_dim or k % head_dim or parts[2].out_features != k:
         return None
     return fused, (q // head_dim, k // head_dim, head_dim)
+
+
+def _head_norm(norm: torch.nn.Module | None, head_dim: int) -> bool:
+    """Whether ``norm`` is an RMSNorm over one head (the engine's FusedRMSNorm, or the class it replaces)."""
+    weight = getattr(norm, "weight", None)
+    return type(norm).__name__ in ("FusedRMSNorm", "Qwen3RMSNorm") and weight is not None \
+        and weight.shape == (head_dim,)  # fmt: skip
 
 
 def _kernel_matches(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:

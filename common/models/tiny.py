@@ -43,6 +43,7 @@ from typing import Any
 ARCHS: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # Qwen2 with an RMSNorm of each query and key head, no q/k/v bias
     "mistral": ("MistralConfig", "MistralForCausalLM"),
 }
 
@@ -99,7 +100,7 @@ def build_tiny(arch: str, out_dir: str | os.PathLike[str], *, seed: int = 0, siz
     ``seed`` fixes the weights (same seed: byte-identical ``model.safetensors``). ``dtype`` ("float32",
     "bfloat16", "float16") overrides the preset's saved dtype. ``overrides`` are extra config kwargs
     applied last (e.g. ``{"num_hidden_layers": 2, "sliding_window": 32}``); a ``sliding_window`` turns on
-    Qwen2's sliding attention for every layer unless ``use_sliding_window`` / ``max_window_layers`` are given.
+    Qwen2's (Qwen3's) sliding attention for every layer unless ``use_sliding_window`` / ``max_window_layers`` are given.
 
     ``out_dir`` may exist only if it holds nothing but files a build writes (those are replaced).
     Raises ValueError naming a bad argument, RuntimeError if AutoTokenizer would not reproduce the ids.
@@ -200,7 +201,9 @@ def _config_kwargs(arch: str, size: str, dtype: str | None, overrides: dict[str,
     kwargs.update(overrides)
     if arch == "llama" and kwargs.get("sliding_window") is not None:
         raise ValueError(f"sliding_window={kwargs['sliding_window']!r}: llama has no sliding-window attention")
-    if arch == "qwen2" and overrides.get("sliding_window") is not None:
+    if arch == "qwen3":  # Qwen3Config's own default is 128 whatever the width
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    if arch in ("qwen2", "qwen3") and overrides.get("sliding_window") is not None:
         kwargs.setdefault("use_sliding_window", True)
         kwargs.setdefault("max_window_layers", 0)
     if kwargs["vocab_size"] < _MIN_VOCAB_SIZE:

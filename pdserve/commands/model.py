@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-ARCH_CHOICES = ("llama", "qwen2", "mistral")  # common.models.tiny.ARCHS, kept here to avoid importing it
+ARCH_CHOICES = ("llama", "qwen2", "qwen3", "mistral")  # common.models.tiny.ARCHS, kept here to avoid importing it
 SIZE_CHOICES = ("tiny", "60m", "350m")  # common.models.tiny.SIZES
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
@@ -30,7 +30,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("model", help="model-directory tools")
     sub = p.add_subparsers(dest="model_command", required=True, metavar="MODEL_COMMAND")
 
-    b = sub.add_parser("build-tiny", help="write a deterministic random-weight Llama/Qwen2/Mistral checkpoint")
+    b = sub.add_parser("build-tiny", help="write a deterministic random-weight Llama/Qwen2/Qwen3/Mistral checkpoint")
     b.add_argument("--arch", required=True, choices=ARCH_CHOICES)
     b.add_argument("--out", required=True, help="output directory (created; earlier build files replaced)")
     b.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")

@@ -55,7 +55,7 @@ def decode_path(kernel: bool) -> str:
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_fused_layers_one_stream_at_a_time(arch, kernel, tiny_model_dir, hf_reference, path_counts):
     path = decode_path(kernel)
     d = tiny_model_dir(arch)
@@ -68,7 +68,7 @@ def test_fused_layers_one_stream_at_a_time(arch, kernel, tiny_model_dir, hf_refe
     assert sum(isinstance(m, LinearSlice) for m in modules) == (3 if kernel else 5) * layers
     # and each attention one RopeAttention (the q/k/v product rotated in place by pdserve::rotary_)
     assert sum(isinstance(m, RopeAttention) for m in modules) == (layers if kernel else 0)
-    assert sum(isinstance(m, FusedRMSNorm) for m in modules) == 2 * layers + 1
+    assert sum(isinstance(m, FusedRMSNorm) for m in modules) == (4 if arch == "qwen3" else 2) * layers + 1
     assert all(m.kernel == kernel for m in modules if isinstance(m, FusedRMSNorm))  # pdserve::rms_norm or F.rms_norm
     reference = hf_reference(d)
     prompts = make_prompts(engine.vocab_size, lens=[1, 17, 70], seed=5)

@@ -29,7 +29,7 @@ def engine_for(model_dir: str, **config) -> LLMEngine:
 
 
 def test_taken_where_the_layout_fits(tiny_model_dir):
-    for arch in ("llama", "qwen2", "mistral"):
+    for arch in ("llama", "qwen2", "qwen3", "mistral"):
         assert engine_for(tiny_model_dir(arch)).runner.flat is not None, arch
         assert engine_for(tiny_model_dir(arch), flat_forward=False).runner.flat is None
         assert engine_for(tiny_model_dir(arch), cpu_kernels=False).runner.flat is None  # no RopeAttention
@@ -39,8 +39,8 @@ def test_taken_where_the_layout_fits(tiny_model_dir):
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen2", {"sliding_window": 24}),
-                                            ("mistral", {"sliding_window": 24})],
-                         ids=["llama", "qwen2", "qwen2-window", "mistral-window"])  # fmt: skip
+                                            ("qwen3", {}), ("mistral", {"sliding_window": 24})],
+                         ids=["llama", "qwen2", "qwen2-window", "qwen3", "mistral-window"])  # fmt: skip
 def test_logits_equal_the_models_own_on_every_step(arch, overrides, tiny_model_dir, hf_reference):
     """Prompts arriving while others decode (steps of decode + prefill), every step's logits both ways (the
     runner's one check made to run on every step)."""

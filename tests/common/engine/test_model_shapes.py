@@ -1,6 +1,6 @@
 """The engine on the head layouts of released checkpoints, against stock ``transformers``.
 
-The oracle tests run the tiny preset (4 heads of 32 over 2 KV heads). Released Llama, Qwen2 and Mistral models have
+The oracle tests run the tiny preset (4 heads of 32 over 2 KV heads). Released Llama, Qwen2/3 and Mistral models have
 other layouts, and each reaches other branches of the engine's kernels (query groups of 3, 6 and 7, heads of 80,
 96 and 128, a head size set apart from ``hidden_size / heads``, widths that are no multiple of a kernel's block).
 Each case keeps a checkpoint's head layout with two layers and small widths, and asks of the engine what the oracle
@@ -27,6 +27,8 @@ SHAPES = {
                                    intermediate_size=960)),  # groups of 6 heads of 128
     "llama-3.2-3b": ("llama", dict(hidden_size=384, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
                                    intermediate_size=1000)),  # groups of 3; 1000: no multiple of 16
+    "qwen3-4b": ("qwen3", dict(hidden_size=256, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                               intermediate_size=640)),  # groups of 4 heads of 128, each q and k head RMS-normed
     "llama-2": ("llama", dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
                               intermediate_size=1376)),  # no grouping
     "heads-of-96": ("llama", dict(hidden_size=384, num_attention_heads=4, num_key_value_heads=2,

@@ -17,10 +17,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from common.models.tiny import build_tiny, train_tokenizer
 from pdserve.commands import model as model_cmd
 
-ARCHS = ("llama", "qwen2", "mistral")
-MODEL_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+MODEL_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "mistral": "MistralForCausalLM"}
 # What AutoTokenizer returns for each directory in transformers 5.24 (Qwen2 ignores tokenizer_config.json).
-TOKENIZER_CLASS = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "mistral": "TokenizersBackend"}
+TOKENIZER_CLASS = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "qwen3": "TokenizersBackend",
+                   "mistral": "TokenizersBackend"}
 BUILD_FILES = {"SHA256SUMS", "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
                "tokenizer.json", "tokenizer_config.json"}
 # Not the strings build_tiny checks itself: whitespace runs, CRLF, NBSP, digits, unicode beyond the BMP, code.
@@ -56,9 +58,11 @@ def test_directory_layout_and_config(built):
     assert config["initializer_range"] == pytest.approx(1.5 / 128**0.5, abs=1e-6)
     if arch == "mistral":
         assert config["sliding_window"] == 64
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         assert config["use_sliding_window"] is False
         assert config["layer_types"] == ["full_attention"] * 4
+    if arch == "qwen3":
+        assert config["head_dim"] == 32
 
 
 def test_stock_transformers_reload_and_greedy_default(built):
