@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from common.engine import cpu_kernels
+from common.engine.attention_math import LogitExtras, sdpa
 from common.engine.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,7 @@ def _in_place_attention(
     q_tok: torch.Tensor,  # [1, Hq, D]: the one decode query, at position num_keys - 1
     scaling: float | None,
     sliding_window: int | None,
+    extras: LogitExtras | None = None,
 ) -> torch.Tensor:
     """Attention of one decode query over its sequence's consecutive blocks, read in place: [1, 1, Hq, D].
 
@@ -134,7 +135,7 @@ def _in_place_attention(
     h_kv, d = k.shape[1], k.shape[3]
     h_q = q_tok.shape[1]
     q = q_tok.view(1, h_kv, h_q // h_kv, d)  # the query heads of each KV head on the query axis
-    out = F.scaled_dot_product_attention(q, k, v, scale=scaling)  # [1, Hkv, g, D]
+    out = sdpa(q, k, v, extras, h_q // h_kv, scale=scaling)  # [1, Hkv, g, D]
     return out.reshape(1, 1, h_q, d)  # CUDA's memory-efficient kernel (fp32) returns it transposed: not a view
 
 
@@ -166,13 +167,15 @@ def _fresh_attention(
     out: torch.Tensor,  # [T, Hq, D], written
     scaling: float | None,
     sliding_window: int | None = None,
+    extras: LogitExtras | None = None,
 ) -> None:
     """Whole prompts attending causally to their own K/V, on the step's tensors (no gather, no padding to the
     longest prompt, no mask): one varlen kernel call where one is installed for the device and dtype
-    (:func:`varlen_kernel`), else one ``is_causal`` SDPA per prompt. The caller checked that no prompt is longer
-    than ``sliding_window`` unless a varlen kernel runs (which applies the window itself)."""
+    (:func:`varlen_kernel`) and no ``extras`` are asked for, else one ``is_causal`` SDPA per prompt. The caller
+    checked that no prompt is longer than ``sliding_window`` unless a varlen kernel runs (which applies the window
+    itself)."""
     own = slice(group.token_start, group.token_start + int(group.fresh_bounds[-1]))
-    kernel = varlen_kernel(query, group.cpu_prefill_kernel)
+    kernel = varlen_kernel(query, group.cpu_prefill_kernel) if extras is None else None
     if kernel is not None:
         # what the first call of each kind checks: the causal mask alone, or with a window that cuts a prompt
         mode = "window" if sliding_window is not None and group.num_keys > sliding_window else "causal"
@@ -192,20 +195,20 @@ def _fresh_attention(
             if _verify_varlen(kernel, mode, o, group, query, key, value, scaling, sliding_window):
                 out[own] = o
                 return
-    _fresh_attention_sdpa(group, query, key, value, out, scaling, sliding_window)
+    _fresh_attention_sdpa(group, query, key, value, out, scaling, sliding_window, extras)
 
 
-def _fresh_attention_sdpa(group, query, key, value, out, scaling, sliding_window) -> None:
+def _fresh_attention_sdpa(group, query, key, value, out, scaling, sliding_window, extras=None) -> None:
     bounds = group.fresh_bounds.tolist()
     gqa = key.shape[1] != query.shape[1]
     for a, b in zip(bounds, bounds[1:]):
         own = slice(group.token_start + a, group.token_start + b)
         q, k, v = query[:, :, own], key[:, :, own], value[:, :, own]
         if sliding_window is None or b - a <= sliding_window:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+            o = sdpa(q, k, v, extras, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:  # only when checking a varlen kernel: the window as a mask
             mask = _causal_mask(0, b - a, sliding_window, q.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+            o = sdpa(q, k, v, extras, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[own] = o[0].transpose(0, 1)
 
 
@@ -386,6 +389,7 @@ def _per_sequence_attention(
     out: torch.Tensor,  # [T, Hq, D], written
     scaling: float | None,
     sliding_window: int | None,
+    extras: LogitExtras | None = None,
 ) -> None:
     """A prefill group's sequences one by one, each over its own keys only (not padded to the group's longest
     chunk and context): one masked SDPA per sequence (key j visible to the query at position p iff j <= p, and
@@ -395,8 +399,8 @@ def _per_sequence_attention(
         keys = start + n
         q = q_tok[offset : offset + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         mask = _causal_mask(start, n, sliding_window, q.device)
-        o = F.scaled_dot_product_attention(q, k[b : b + 1, :, :keys].to(q.dtype), v[b : b + 1, :, :keys].to(q.dtype),
-                                           attn_mask=mask, scale=scaling, enable_gqa=gqa)  # fmt: skip
+        o = sdpa(q, k[b : b + 1, :, :keys].to(q.dtype), v[b : b + 1, :, :keys].to(q.dtype), extras, attn_mask=mask,
+                 scale=scaling, enable_gqa=gqa)  # fmt: skip
         out[offset : offset + n] = o[0].transpose(0, 1)
 
 
@@ -407,6 +411,7 @@ def _group_attention(
     v: torch.Tensor,
     scaling: float | None,
     sliding_window: int | None,
+    extras: LogitExtras | None = None,
 ) -> torch.Tensor:
     """Attention output of the group's queries: [B, Q, Hq, D]."""
     b, h_kv, num_keys, d = k.shape
@@ -422,7 +427,7 @@ def _group_attention(
     mask = group.mask(num_keys, sliding_window)  # [B, 1, Q, K]
     if num_q > 1 and g > 1:
         mask = mask.unsqueeze(3).expand(b, 1, num_q, g, num_keys).reshape(b, 1, num_q * g, num_keys)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # [B, Hkv, Q*g, D]
+    out = sdpa(q, k, v, extras, g, attn_mask=mask, scale=scaling)  # [B, Hkv, Q*g, D]
     return out.view(b, h_kv, num_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, num_q, h_q, d)
 
 
@@ -442,6 +447,7 @@ def paged_attention(
     if meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs the {METADATA_KWARG!r} model kwarg")
     layer = module.layer_idx
+    extras = LogitExtras.of(kwargs)  # a soft cap or sinks: none of the kernels computes them (attention_math.py)
     q_tok = query[0].transpose(0, 1)  # [T, Hq, D]
     meta.kv_cache.write(layer, meta.write_index, key[0], value[0])
     if meta.on_layer_written is not None:
@@ -450,37 +456,47 @@ def paged_attention(
     if len(meta.groups) == 1 and meta.groups[0].token_index is None:  # decode only: no scatter
         group = meta.groups[0]
         if group.seq_lens is not None:
+            _no_extras(extras)
             return _kernel_attention(group, meta, layer, q_tok, scaling, sliding_window).unsqueeze(0), None
         if group.first_block is not None:
-            return _in_place_attention(group, meta, layer, q_tok, scaling, sliding_window), None
+            return _in_place_attention(group, meta, layer, q_tok, scaling, sliding_window, extras), None
         k, v = meta.gather(layer, group)
-        out = _group_attention(group, q_tok, k.to(query.dtype), v.to(query.dtype), scaling, sliding_window)
+        out = _group_attention(group, q_tok, k.to(query.dtype), v.to(query.dtype), scaling, sliding_window, extras)
         return out.view(1, num_tokens, h_q, d), None
     out = torch.empty(num_tokens, h_q, d, dtype=query.dtype, device=query.device)
     for group in meta.groups:  # at most two: decode, prefill
-        if group.fresh_prompt and (sliding_window is None or group.num_keys <= sliding_window
-                                   or varlen_kernel(query, group.cpu_prefill_kernel) is not None):  # fmt: skip
-            _fresh_attention(group, query, key, value, out, scaling, sliding_window)
+        windowed = sliding_window is not None and group.num_keys > sliding_window  # a prompt past the window
+        if group.fresh_prompt and (not windowed or extras is None
+                                   and varlen_kernel(query, group.cpu_prefill_kernel) is not None):  # fmt: skip
+            _fresh_attention(group, query, key, value, out, scaling, sliding_window, extras)
             continue
         if group.seq_lens is not None:
+            _no_extras(extras)
             out[group.token_start : group.token_start + group.seq_lens.shape[0]] = _kernel_attention(
                 group, meta, layer, q_tok, scaling, sliding_window
             )
             continue
-        if group.kernel_spans is not None and _paged_prefill(group, meta, layer, q_tok, out, scaling, sliding_window):
-            continue
-        _gathered_attention(group, meta, layer, q_tok, out, scaling, sliding_window)
+        if group.kernel_spans is not None:
+            _no_extras(extras)
+            if _paged_prefill(group, meta, layer, q_tok, out, scaling, sliding_window):
+                continue
+        _gathered_attention(group, meta, layer, q_tok, out, scaling, sliding_window, extras)
     return out.unsqueeze(0), None
 
 
-def _gathered_attention(group, meta, layer, q_tok, out, scaling, sliding_window) -> None:
+def _no_extras(extras: LogitExtras | None) -> None:
+    if extras is not None:  # the engine builds a model that asks for them without its attention kernels
+        raise RuntimeError(f"the engine's CPU attention kernels compute no {extras}")
+
+
+def _gathered_attention(group, meta, layer, q_tok, out, scaling, sliding_window, extras=None) -> None:
     """A group's keys gathered from the cache, then one sequence at a time (``seq_spans``) or all padded to one
     masked SDPA; its rows of ``out`` written."""
     k, v = meta.gather(layer, group)
     if group.seq_spans is not None:
-        _per_sequence_attention(group, q_tok, k, v, out, scaling, sliding_window)
+        _per_sequence_attention(group, q_tok, k, v, out, scaling, sliding_window, extras)
         return
-    o = _group_attention(group, q_tok, k.to(q_tok.dtype), v.to(q_tok.dtype), scaling, sliding_window)
+    o = _group_attention(group, q_tok, k.to(q_tok.dtype), v.to(q_tok.dtype), scaling, sliding_window, extras)
     if group.token_index is None:
         out[group.token_start : group.token_start + o.shape[0]] = o[:, 0]
     else:

@@ -112,7 +112,8 @@ class LLMEngine(KVHandoffMixin):
         num_blocks = self._resolve_num_blocks()
         if tp is not None:  # every rank must hold the same block ids
             num_blocks = tp.agree_min(num_blocks)
-        check_model(loaded.model, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, self.max_model_len)
+        # a soft cap or sink logits: attention in plain tensor ops (attention_math.py), none of the attention kernels
+        extras = check_model(loaded.model, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, self.max_model_len)
         loaded.model.set_attn_implementation(attention.register())
         kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels.load()
         if config.cpu_packed_linear and packing_supported(loaded.dtype, self.device) and tp is None:
@@ -132,9 +133,11 @@ class LLMEngine(KVHandoffMixin):
         # with graphs, one block more than the pool hands out: where the padding rows of a graph step write
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks + graphs, self.device)
         self.kv_cache.write_kernel = kernels
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels,
+        if extras:
+            log.info("attention with %s: the engine's attention kernels stay off", ", ".join(sorted(extras)))
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels and not extras,
                                   flat_forward=config.flat_forward,
-                                  prefill_kernel=kernels
+                                  prefill_kernel=kernels and not extras
                                   and attention.cpu_prefill_kernel_chosen(config.prefill_attention, loaded.dtype,
                                                                            self.kv_spec.head_dim))
         if graphs:

@@ -10,15 +10,17 @@ between steps. That is the model's own computation only when
 2. the function receives the engine's metadata (StableLM's attention drops extra keyword arguments);
 3. its keys and values fit the cache: the KV heads and one head size the engine sized it by (multi-head latent
    attention, DeepSeek-V2/V3, has keys of one size and values of another);
-4. it asks for no attention the engine does not compute: a soft cap on the logits (Gemma 2's ``softcap``),
-   sink logits (GPT-OSS's ``s_aux``), bidirectional attention, a mask other than causal, or chunked attention
-   over prompts longer than a chunk (Llama 4).
+4. it asks for no attention the engine does not compute: bidirectional attention, a mask other than causal,
+   chunked attention over prompts longer than a chunk (Llama 4), or options it does not know. A soft cap on the
+   logits (Gemma 2's ``softcap``) and sink logits (GPT-OSS's ``s_aux``) it computes in plain tensor ops
+   (:mod:`common.engine.attention_math`), not by its attention kernels.
 
 :func:`check_model` runs the model's forward once on a few tokens with a probe registered as its attention
-function (no cache touched; the probe returns zeros), and raises :class:`UnsupportedModelError` naming the
-first condition that fails. An error beats serving output that silently differs from the model's: the
+function (no cache touched; the probe returns zeros), raises :class:`UnsupportedModelError` naming the first
+condition that fails, and otherwise returns the logit extras the model asks for (the engine then keeps its
+attention kernels off). An error beats serving output that silently differs from the model's: the
 engine's oracle (greedy output equal to stock ``generate``) holds for what passes; tests/common/engine/
-test_architectures.py runs it on tiny checkpoints of twenty families and checks the refusals.
+test_architectures.py runs it on tiny checkpoints of nineteen more families and checks the refusals.
 """
 
 from __future__ import annotations
@@ -38,12 +40,8 @@ PROBE_TOKENS = 4
 # and False are ignored too: an unused option)
 _HARMLESS = frozenset({METADATA_KWARG, "position_ids", "use_cache", "output_attentions", "output_router_logits",
                        "cache_position", "position_embeddings", "is_causal"})  # fmt: skip
-# the ones the engine's attention does not compute, with what they are
-_UNSUPPORTED = {
-    "softcap": "a soft cap on the attention logits (Gemma 2's attn_logit_softcapping)",
-    "s_aux": "attention sink logits (GPT-OSS's sinks)",
-    "sinks": "attention sink logits",
-}
+# the ones computed by common/engine/attention_math.py (LogitExtras), not by the attention kernels
+_EXTRAS = frozenset({"softcap", "s_aux"})
 
 
 class UnsupportedModelError(ModelLoadError):
@@ -60,10 +58,11 @@ class _Call:
     extra: dict[str, object] = field(default_factory=dict)  # keyword arguments past the named ones
 
 
-def check_model(model: torch.nn.Module, num_kv_heads: int, head_dim: int, max_model_len: int) -> None:
+def check_model(model: torch.nn.Module, num_kv_heads: int, head_dim: int, max_model_len: int) -> frozenset[str]:
     """Raise :class:`UnsupportedModelError` unless the engine computes ``model`` as ``transformers`` does (see the
-    module doc). ``num_kv_heads`` and ``head_dim``: the KV cache's, per layer (this rank's share of the heads under
-    tensor parallelism); ``max_model_len``: the engine's longest sequence."""
+    module doc); return the logit extras its attention asks for (``softcap``, ``s_aux``: empty for most models).
+    ``num_kv_heads`` and ``head_dim``: the KV cache's, per layer (this rank's share of the heads under tensor
+    parallelism); ``max_model_len``: the engine's longest sequence."""
     config = model.config.get_text_config()
     name = getattr(config, "model_type", type(model).__name__)
     _check_chunked(config, name, max_model_len)
@@ -81,6 +80,7 @@ def check_model(model: torch.nn.Module, num_kv_heads: int, head_dim: int, max_mo
         )
     for call in calls:
         _check_call(call, name, num_kv_heads, head_dim)
+    return frozenset(key for call in calls for key, value in call.extra.items() if key in _EXTRAS and value is not None)
 
 
 def _probe(model: torch.nn.Module) -> list[_Call]:
@@ -114,13 +114,13 @@ def _check_call(call: _Call, name: str, num_kv_heads: int, head_dim: int) -> Non
                                     "attention function, and the engine's paged attention needs its metadata")
     for key, value in call.extra.items():
         if key == "is_causal" and value is False:
-            what = "bidirectional attention"
-        elif value is None or value is False or key in _HARMLESS:
+            what = " (bidirectional attention)"
+        elif value is None or value is False or key in _HARMLESS or key in _EXTRAS:
             continue
         else:
-            what = _UNSUPPORTED.get(key)
-        raise UnsupportedModelError(f"{where}: the model asks its attention for {key}={_short(value)}"
-                                    f"{f' ({what})' if what else ''}, which the engine's attention does not compute")
+            what = ""
+        raise UnsupportedModelError(f"{where}: the model asks its attention for {key}={_short(value)}{what}, "
+                                    "which the engine's attention does not compute")
     _, kv_heads, _, k_dim = call.key
     v_dim = call.value[-1]
     if kv_heads != num_kv_heads or k_dim != head_dim or v_dim != head_dim or call.value[1] != kv_heads:

@@ -3,7 +3,8 @@
 Each case is a two-layer random checkpoint of the family's own classes (the tokenizer of the tiny Llama beside
 it). What the engine serves must give stock ``generate``'s greedy tokens in fp32 (prompts over several blocks,
 chunked prefill, a batch); what it cannot compute as ``transformers`` does (common/engine/model_support.py) must
-be refused when the engine is built, with the reason named: a refusal nobody sees fails this file.
+be refused when the engine is built, with the reason named: a refusal nobody sees fails this file. Gemma 2's soft
+cap and GPT-OSS's sink logits are served by common/engine/attention_math.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from common.engine.engine import LLMEngine
 from common.engine.loader import load_model
 from common.engine.model_support import UnsupportedModelError, check_model
 from common.engine.sampling_params import SamplingParams
+from tests.cli import pdserve
 from tests.conftest import hf_greedy
 
 VOCAB = 4096
@@ -28,7 +30,7 @@ BASE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden
             pad_token_id=0)  # fmt: skip
 TWO_TYPES = ["sliding_attention", "full_attention"]
 
-# name: (config class, causal-LM class, config overrides)
+# name: (config class, causal-LM class, config overrides[, a gain on the q and k weights])
 SERVED = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),  # q/k norms
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=32)),  # scaled embeddings, GeLU
@@ -58,14 +60,17 @@ SERVED = {
                                            original_max_position_embeddings=64))),  # fmt: skip
     "qwen2_yarn": ("Qwen2Config", "Qwen2ForCausalLM",
                    dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128))),
+    # logit extras, computed by common/engine/attention_math.py: a soft cap (q and k weights 8x: logits large
+    # enough for it to change the output), sink logits
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=32, sliding_window=48, layer_types=TWO_TYPES, attn_logit_softcapping=2.0), 8.0),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=48,
+                     layer_types=TWO_TYPES)),
 }
 
 # name: (config class, causal-LM class, config overrides, what the refusal must say)
 REFUSED = {
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=32, sliding_window=48), "softcap=50.0"),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
-                dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=48, layer_types=TWO_TYPES),
-                "s_aux=a tensor of shape [4] (attention sink logits"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
                          kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
@@ -104,7 +109,13 @@ def checkpoint(tiny_model_dir, tmp_path_factory):
                 config = getattr(transformers, config_cls)(**{**BASE, **overrides})
             torch.manual_seed(0)
             out = tmp_path_factory.mktemp(name)
-            getattr(transformers, model_cls)(config).eval().save_pretrained(out)
+            model = getattr(transformers, model_cls)(config).eval()
+            if table is SERVED and len(table[name]) > 3:  # a gain on the attention logits
+                with torch.no_grad():
+                    for layer in model.model.layers:
+                        layer.self_attn.q_proj.weight.mul_(table[name][3])
+                        layer.self_attn.k_proj.weight.mul_(table[name][3])
+            model.save_pretrained(out)
             for f in tokenizer_dir.iterdir():
                 if f.name.startswith(("tokenizer", "special_tokens")):
                     shutil.copy(f, out)
@@ -139,6 +150,29 @@ def test_what_the_engine_cannot_compute_is_refused_naming_why(name, checkpoint):
     assert REFUSED[name][3] in str(refused.value)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_logit_extras_change_stock_output_and_the_engine_follows_them(name, checkpoint, hf_reference):
+    """Gemma 2's soft cap and GPT-OSS's sinks, on every attention path a model with them takes (one stream's keys
+    read in place, a padded decode group, whole prompts, chunks after cached ones): the engine's tokens are stock's,
+    and stock's own change without the extra (so a path that dropped it would fail here)."""
+    d = checkpoint(name, SERVED)
+    engine = LLMEngine(load_model(d), EngineConfig(prefill_chunk_size=48, max_num_batched_tokens=128))
+    assert not engine.runner.decode_kernel and not engine.runner.prefill_kernel
+    reference = hf_reference(d)
+    batch = prompts()
+    alone = [engine.generate([p], [GREEDY])[0].token_ids for p in batch]
+    want = [hf_greedy(reference, p, GREEDY.max_new_tokens) for p in batch]
+    assert alone == want
+    plain = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    for layer in plain.model.layers:
+        if name == "gemma2":
+            layer.self_attn.attn_logit_softcapping = None
+        else:
+            layer.self_attn.sinks.data.fill_(-1e4)  # no weight left for the sink column
+    assert [hf_greedy(plain, p, GREEDY.max_new_tokens) for p in batch] != want
+
+
 def test_chunked_attention_is_served_within_one_chunk(checkpoint, hf_reference):
     """Llama 4's chunked attention is causal attention while no sequence outgrows a chunk: ``max_model_len`` at the
     chunk size serves it, and its output is stock's."""
@@ -158,3 +192,10 @@ def test_the_probe_leaves_the_model_as_it_found_it(checkpoint):
     with pytest.raises(UnsupportedModelError, match="do not fit the KV cache's 2 heads of 64"):
         check_model(loaded.model, num_kv_heads=2, head_dim=64, max_model_len=512)
     assert loaded.model.config._attn_implementation == before  # restored after a refusal too
+
+
+def test_pdserve_run_refuses_in_one_line_and_exit_2(checkpoint):
+    proc = pdserve("run", "--model", checkpoint("lfm2", REFUSED), "--prompt", "hi", check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("pdserve run: error:")]
+    assert len(errors) == 1 and "model_type 'lfm2'" in errors[0] and "convolutional" in errors[0]

@@ -7,6 +7,7 @@ condition fails (blocks out of order, a prompt continuing a cached prefix)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import common.engine.attention as attention
 from common.engine import cpu_kernels
@@ -91,12 +92,12 @@ def test_in_place_decode_takes_attention_outputs_of_any_layout(tiny_model_dir, h
     engine = make_engine(d, cpu_kernels=False)
     prompt = make_prompts(engine.vocab_size, lens=[9], seed=8)[0]
     want = hf_greedy(hf_reference(d), prompt, 12)
-    sdpa = attention.F.scaled_dot_product_attention
+    sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def transposed(*args, **kwargs):
         return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", transposed)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", transposed)
     result = engine.generate([prompt], SamplingParams(max_new_tokens=12, **GREEDY))[0]
     assert path_counts["in_place"] == 11 * engine.kv_spec.num_layers
     assert result.token_ids == want

@@ -23,13 +23,13 @@ from tests.conftest import hf_greedy
 def causal_calls(monkeypatch):
     """How many SDPA calls were causal (the per-prompt path)."""
     counts = {"causal": 0}
-    sdpa = attention.F.scaled_dot_product_attention
+    sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def counted(*args, **kwargs):
         counts["causal"] += bool(kwargs.get("is_causal"))
         return sdpa(*args, **kwargs)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
     return counts
 
 
