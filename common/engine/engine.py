@@ -39,7 +39,7 @@ from common.engine.fused_attention import fuse_rope_attention
 from common.engine.kv_cache import KVCacheSpec, PagedKVCache
 from common.engine.kv_tiers import KVTiers
 from common.engine.model_runner import ModelRunner
-from common.engine.model_support import check_model
+from common.engine.model_support import UnsupportedModelError, check_model
 from common.engine.prefix_cache import block_hashes
 from common.engine.quantization import trim_heap
 from common.engine.request import (
@@ -98,13 +98,20 @@ class LLMEngine(KVHandoffMixin):
         model_cfg = loaded.config.get_text_config()
         self.vocab_size = int(model_cfg.vocab_size)
         self.max_model_len = self._resolve_max_model_len(loaded.max_model_len, config.max_model_len)
-        num_kv_heads = int(getattr(model_cfg, "num_key_value_heads", None) or model_cfg.num_attention_heads)
+        # what every layer hands its attention, seen by a probe (model_support.py: refuses what the engine would
+        # compute differently): the cache's KV heads and head size, and any logit extras (a soft cap, sinks)
+        attends = check_model(loaded.model, self.max_model_len)
+        num_kv_heads = attends.num_kv_heads
+        if tp is not None:  # the probe saw this rank's share of the heads; the hand-off speaks of all of them
+            num_kv_heads = int(getattr(model_cfg, "num_key_value_heads", None) or model_cfg.num_attention_heads)
+            if tp.local_kv_heads(loaded.model, num_kv_heads) != attends.num_kv_heads:
+                raise UnsupportedModelError(f"tensor parallelism: this rank's layers attend over "
+                                            f"{attends.num_kv_heads} KV heads, not the "
+                                            f"{tp.local_kv_heads(loaded.model, num_kv_heads)} its plan gives")
         self.kv_spec = KVCacheSpec(
             num_layers=int(model_cfg.num_hidden_layers),
-            num_kv_heads=num_kv_heads if tp is None else tp.local_kv_heads(loaded.model, num_kv_heads),
-            head_dim=int(
-                getattr(model_cfg, "head_dim", None) or model_cfg.hidden_size // model_cfg.num_attention_heads
-            ),
+            num_kv_heads=attends.num_kv_heads,
+            head_dim=attends.head_dim,
             block_size=config.block_size,
             dtype=loaded.dtype,
         )  # this rank's cache: with tensor parallelism, its share of the KV heads
@@ -112,8 +119,6 @@ class LLMEngine(KVHandoffMixin):
         num_blocks = self._resolve_num_blocks()
         if tp is not None:  # every rank must hold the same block ids
             num_blocks = tp.agree_min(num_blocks)
-        # a soft cap or sink logits: attention in plain tensor ops (attention_math.py), none of the attention kernels
-        extras = check_model(loaded.model, self.kv_spec.num_kv_heads, self.kv_spec.head_dim, self.max_model_len)
         loaded.model.set_attn_implementation(attention.register())
         kernels = config.cpu_kernels and self.device.type == "cpu" and cpu_kernels.load()
         if config.cpu_packed_linear and packing_supported(loaded.dtype, self.device) and tp is None:
@@ -133,6 +138,7 @@ class LLMEngine(KVHandoffMixin):
         # with graphs, one block more than the pool hands out: where the padding rows of a graph step write
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks + graphs, self.device)
         self.kv_cache.write_kernel = kernels
+        extras = attends.extras  # a soft cap or sink logits: attention in plain tensor ops (attention_math.py)
         if extras:
             log.info("attention with %s: the engine's attention kernels stay off", ", ".join(sorted(extras)))
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels and not extras,

@@ -8,8 +8,10 @@ between steps. That is the model's own computation only when
    convolutional or linear-attention layer carries state from token to token that the cache does not hold:
    Jamba, Bamba, LFM2, Qwen3-Next);
 2. the function receives the engine's metadata (StableLM's attention drops extra keyword arguments);
-3. its keys and values fit the cache: the KV heads and one head size the engine sized it by (multi-head latent
-   attention, DeepSeek-V2/V3, has keys of one size and values of another);
+3. its keys and values fit one paged cache: one head size for keys and values (multi-head latent attention,
+   DeepSeek-V2/V3, has keys of one size and values of another), the same KV heads in every layer. The cache is
+   sized by what the probe sees, not by config names a family may not use (GPT-BigCode's single KV head is
+   ``multi_query``, not ``num_key_value_heads``);
 4. it asks for no attention the engine does not compute: bidirectional attention, a mask other than causal,
    chunked attention over prompts longer than a chunk (Llama 4), or options it does not know. A soft cap on the
    logits (Gemma 2's ``softcap``) and sink logits (GPT-OSS's ``s_aux``) it computes in plain tensor ops
@@ -17,10 +19,11 @@ between steps. That is the model's own computation only when
 
 :func:`check_model` runs the model's forward once on a few tokens with a probe registered as its attention
 function (no cache touched; the probe returns zeros), raises :class:`UnsupportedModelError` naming the first
-condition that fails, and otherwise returns the logit extras the model asks for (the engine then keeps its
-attention kernels off). An error beats serving output that silently differs from the model's: the
-engine's oracle (greedy output equal to stock ``generate``) holds for what passes; tests/common/engine/
-test_architectures.py runs it on tiny checkpoints of nineteen more families and checks the refusals.
+condition that fails, and otherwise returns an :class:`AttentionShape`: the KV heads and head size each layer
+caches, and the logit extras the model asks for (the engine then keeps its attention kernels off). An error
+beats serving output that silently differs from the model's: the engine's oracle (greedy output equal to stock
+``generate``) holds for what passes; tests/common/engine/test_architectures.py runs it on tiny checkpoints of
+twenty-three more families and checks the refusals.
 """
 
 from __future__ import annotations
@@ -48,6 +51,15 @@ class UnsupportedModelError(ModelLoadError):
     """The engine would not compute this model as ``transformers`` does; the message says why."""
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What every layer of a model hands its attention function, as the probe saw it."""
+
+    num_kv_heads: int  # per layer (this rank's share under tensor parallelism)
+    head_dim: int  # of keys and values alike
+    extras: frozenset[str]  # logit extras asked for: "softcap", "s_aux" (common/engine/attention_math.py)
+
+
 @dataclass
 class _Call:
     layer: int | None
@@ -58,11 +70,9 @@ class _Call:
     extra: dict[str, object] = field(default_factory=dict)  # keyword arguments past the named ones
 
 
-def check_model(model: torch.nn.Module, num_kv_heads: int, head_dim: int, max_model_len: int) -> frozenset[str]:
+def check_model(model: torch.nn.Module, max_model_len: int) -> AttentionShape:
     """Raise :class:`UnsupportedModelError` unless the engine computes ``model`` as ``transformers`` does (see the
-    module doc); return the logit extras its attention asks for (``softcap``, ``s_aux``: empty for most models).
-    ``num_kv_heads`` and ``head_dim``: the KV cache's, per layer (this rank's share of the heads under tensor
-    parallelism); ``max_model_len``: the engine's longest sequence."""
+    module doc); return what its layers attend with. ``max_model_len``: the engine's longest sequence."""
     config = model.config.get_text_config()
     name = getattr(config, "model_type", type(model).__name__)
     _check_chunked(config, name, max_model_len)
@@ -78,9 +88,12 @@ def check_model(model: torch.nn.Module, num_kv_heads: int, head_dim: int, max_mo
             "keys and values between steps, so a layer without them (recurrent, convolutional, linear attention) "
             "or attending twice cannot be served"
         )
+    first = calls[0]
+    shape = AttentionShape(first.key[1], first.key[-1], frozenset(
+        key for call in calls for key, value in call.extra.items() if key in _EXTRAS and value is not None))
     for call in calls:
-        _check_call(call, name, num_kv_heads, head_dim)
-    return frozenset(key for call in calls for key, value in call.extra.items() if key in _EXTRAS and value is not None)
+        _check_call(call, name, shape.num_kv_heads, shape.head_dim)
+    return shape
 
 
 def _probe(model: torch.nn.Module) -> list[_Call]:
@@ -102,6 +115,10 @@ def _probe(model: torch.nn.Module) -> list[_Call]:
         with torch.inference_mode():
             model(input_ids=ids, position_ids=ids - 1, use_cache=False, logits_to_keep=1,
                   **{METADATA_KWARG: PROBE_NAME})  # fmt: skip
+    except Exception as exc:  # noqa: BLE001  (it would fail the same way at the engine's first step)
+        name = getattr(model.config.get_text_config(), "model_type", type(model).__name__)
+        raise UnsupportedModelError(f"model_type {name!r}: its forward fails with an attention function of its "
+                                    f"own registered ({type(exc).__name__}: {exc})") from exc
     finally:
         model.set_attn_implementation(before)
     return calls
@@ -125,9 +142,10 @@ def _check_call(call: _Call, name: str, num_kv_heads: int, head_dim: int) -> Non
     v_dim = call.value[-1]
     if kv_heads != num_kv_heads or k_dim != head_dim or v_dim != head_dim or call.value[1] != kv_heads:
         raise UnsupportedModelError(
-            f"{where}: keys [heads {kv_heads}, size {k_dim}] and values [heads {call.value[1]}, size {v_dim}] "
-            f"do not fit the KV cache's {num_kv_heads} heads of {head_dim} (from the config's num_key_value_heads "
-            "and head_dim); multi-head latent attention and keys and values of different sizes are not supported"
+            f"{where}: keys [heads {kv_heads}, size {k_dim}] and values [heads {call.value[1]}, size {v_dim}] do "
+            f"not fit one paged KV cache of {num_kv_heads} heads of {head_dim} (the first layer's keys); "
+            "multi-head latent attention (keys and values of different sizes) and layers of different KV shapes "
+            "are not supported"
         )
     if call.mask is not None and not _causal(call.mask):
         raise UnsupportedModelError(f"{where}: the model masks its attention other than causally (a mask of shape "

@@ -19,7 +19,7 @@ import transformers
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.loader import load_model
-from common.engine.model_support import UnsupportedModelError, check_model
+from common.engine.model_support import AttentionShape, UnsupportedModelError, check_model
 from common.engine.sampling_params import SamplingParams
 from tests.cli import pdserve
 from tests.conftest import hf_greedy
@@ -29,6 +29,8 @@ BASE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden
             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
             pad_token_id=0)  # fmt: skip
 TWO_TYPES = ["sliding_attention", "full_attention"]
+# GPT-2's config names (used in place of BASE where given)
+GPT2_STYLE = dict(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2)
 
 # name: (config class, causal-LM class, config overrides[, a gain on the q and k weights])
 SERVED = {
@@ -41,7 +43,11 @@ SERVED = {
                      intermediate_size=[256] * 4, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),  # fused qkv and gate/up
     "phi": ("PhiConfig", "PhiForCausalLM", {}),  # partial rotary, parallel attention and MLP
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", "gpt2"),  # learned absolute positions
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", GPT2_STYLE),  # learned absolute positions
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {**GPT2_STYLE, "multi_query": True}),  # 1 KV head
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {**GPT2_STYLE, "rotary_dim": 16}),  # interleaved partial rotary
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.25)),  # no num_key_value_heads of its own
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=256, word_embed_proj_dim=128)),
     "granite": ("GraniteConfig", "GraniteForCausalLM",
                 dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
@@ -73,9 +79,9 @@ SERVED = {
 REFUSED = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
-                         kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
-                         n_group=1, topk_group=1),
-                    "keys [heads 4, size 32] and values [heads 4, size 32] do not fit the KV cache's 2 heads of 16"),
+                         kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                         n_group=1, topk_group=1),  # keys of 16 + 16, values of 16: latent attention's shapes
+                    "keys [heads 4, size 32] and values [heads 4, size 16] do not fit one paged KV cache"),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}, "does not pass keyword arguments on"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
                    dict(head_dim=32, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
@@ -102,11 +108,8 @@ def checkpoint(tiny_model_dir, tmp_path_factory):
     def get(name: str, table: dict) -> str:
         if name not in built:
             config_cls, model_cls, overrides = table[name][:3]
-            if overrides == "gpt2":
-                config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512,
-                                                 bos_token_id=1, eos_token_id=2)  # fmt: skip
-            else:
-                config = getattr(transformers, config_cls)(**{**BASE, **overrides})
+            kwargs = overrides if "n_embd" in overrides else {**BASE, **overrides}
+            config = getattr(transformers, config_cls)(**kwargs)
             torch.manual_seed(0)
             out = tmp_path_factory.mktemp(name)
             model = getattr(transformers, model_cls)(config).eval()
@@ -187,10 +190,11 @@ def test_chunked_attention_is_served_within_one_chunk(checkpoint, hf_reference):
 def test_the_probe_leaves_the_model_as_it_found_it(checkpoint):
     loaded = load_model(checkpoint("qwen3", SERVED))
     before = loaded.model.config._attn_implementation
-    check_model(loaded.model, num_kv_heads=2, head_dim=32, max_model_len=512)
+    assert check_model(loaded.model, max_model_len=512) == AttentionShape(2, 32, frozenset())
     assert loaded.model.config._attn_implementation == before
-    with pytest.raises(UnsupportedModelError, match="do not fit the KV cache's 2 heads of 64"):
-        check_model(loaded.model, num_kv_heads=2, head_dim=64, max_model_len=512)
+    loaded.model.model.layers[1].self_attn.k_proj.weight.data = torch.zeros(32, 128)  # one KV head in layer 1
+    with pytest.raises(UnsupportedModelError, match="layer 1: keys .heads 1, size 32. .* of 2 heads of 32"):
+        check_model(loaded.model, max_model_len=512)
     assert loaded.model.config._attn_implementation == before  # restored after a refusal too
 
 
