@@ -39,8 +39,9 @@ def test_taken_where_the_layout_fits(tiny_model_dir):
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen2", {"sliding_window": 24}),
-                                            ("qwen3", {}), ("mistral", {"sliding_window": 24})],
-                         ids=["llama", "qwen2", "qwen2-window", "qwen3", "mistral-window"])  # fmt: skip
+                                            ("qwen3", {}), ("qwen3", {"sliding_window": 24}),
+                                            ("mistral", {"sliding_window": 24})],
+                         ids=["llama", "qwen2", "qwen2-window", "qwen3", "qwen3-window", "mistral-window"])  # fmt: skip
 def test_logits_equal_the_models_own_on_every_step(arch, overrides, tiny_model_dir, hf_reference):
     """Prompts arriving while others decode (steps of decode + prefill), every step's logits both ways (the
     runner's one check made to run on every step)."""
