@@ -28,6 +28,7 @@ twenty-three more families and checks the refusals.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ from common.engine.loader import ModelLoadError
 
 PROBE_NAME = "pdserve_probe"
 PROBE_TOKENS = 4
+_PROBING = threading.Lock()  # one probe at a time: they share PROBE_NAME in transformers' registry
 
 # keyword arguments models pass to the attention function that do not change what it computes (values of None
 # and False are ignored too: an unused option)
@@ -106,11 +108,18 @@ def _probe(model: torch.nn.Module) -> list[_Call]:
         b, h, t, _ = query.shape
         return query.new_zeros(b, t, h, value.shape[-1]), None
 
-    AttentionInterface.register(PROBE_NAME, probe)
     before = model.config._attn_implementation
     device = next(model.parameters()).device
     ids = torch.arange(1, PROBE_TOKENS + 1, device=device)[None]
-    model.set_attn_implementation(PROBE_NAME)
+    with _PROBING:
+        AttentionInterface.register(PROBE_NAME, probe)
+        model.set_attn_implementation(PROBE_NAME)
+        _forward(model, ids, before)
+    return calls
+
+
+def _forward(model: torch.nn.Module, ids: torch.Tensor, restore: str) -> None:
+    """One forward of ``model`` over ``ids`` with the probe as its attention; ``restore`` its attention after."""
     try:
         with torch.inference_mode():
             model(input_ids=ids, position_ids=ids - 1, use_cache=False, logits_to_keep=1,
@@ -120,8 +129,7 @@ def _probe(model: torch.nn.Module) -> list[_Call]:
         raise UnsupportedModelError(f"model_type {name!r}: its forward fails with an attention function of its "
                                     f"own registered ({type(exc).__name__}: {exc})") from exc
     finally:
-        model.set_attn_implementation(before)
-    return calls
+        model.set_attn_implementation(restore)
 
 
 def _check_call(call: _Call, name: str, num_kv_heads: int, head_dim: int) -> None:
