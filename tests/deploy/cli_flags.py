@@ -32,7 +32,8 @@ def flags_of(*command: str) -> Flags:
         [sys.executable, "-m", "pdserve", *command, "--help"],
         capture_output=True, text=True, timeout=HELP_TIMEOUT_S, check=True,
     ).stdout
-    usage = out.split("\n\n", 1)[0]  # the usage block ends at the first blank line
+    # the usage block ends at the first blank line; argparse wraps it anywhere, "--out" and "OUT" on two lines too
+    usage = " ".join(out.split("\n\n", 1)[0].split())
     takes_value = {m[1]: bool(m[2]) for m in _USAGE_FLAG.finditer(usage)}
     if not takes_value:
         raise ValueError(f"no flags found in the usage of pdserve {' '.join(command)}:\n{usage}")
