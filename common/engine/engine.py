@@ -104,10 +104,10 @@ class LLMEngine(KVHandoffMixin):
         num_kv_heads = attends.num_kv_heads
         if tp is not None:  # the probe saw this rank's share of the heads; the hand-off speaks of all of them
             num_kv_heads = int(getattr(model_cfg, "num_key_value_heads", None) or model_cfg.num_attention_heads)
-            if tp.local_kv_heads(loaded.model, num_kv_heads) != attends.num_kv_heads:
+            planned = tp.local_kv_heads(loaded.model, num_kv_heads)
+            if planned != attends.num_kv_heads:
                 raise UnsupportedModelError(f"tensor parallelism: this rank's layers attend over "
-                                            f"{attends.num_kv_heads} KV heads, not the "
-                                            f"{tp.local_kv_heads(loaded.model, num_kv_heads)} its plan gives")
+                                            f"{attends.num_kv_heads} KV heads, not the {planned} its plan gives")
         self.kv_spec = KVCacheSpec(
             num_layers=int(model_cfg.num_hidden_layers),
             num_kv_heads=attends.num_kv_heads,

@@ -81,7 +81,7 @@ def check_model(model: torch.nn.Module, max_model_len: int) -> AttentionShape:
     calls = _probe(model)
     num_layers = int(config.num_hidden_layers)
     layers = [c.layer for c in calls]
-    if sorted(x for x in layers if x is not None) != list(range(num_layers)) or None in layers:
+    if None in layers or sorted(layers) != list(range(num_layers)):
         attended = sorted({x for x in layers if x is not None})
         types = getattr(config, "layer_types", None)
         raise UnsupportedModelError(
