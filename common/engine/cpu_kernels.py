@@ -41,10 +41,10 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / f
            for f in ("paged_attention.cpp", "rms_norm.cpp", "bf16_linear.cpp", "bf16_amx.cpp", "fp32_linear.cpp",
                      "activation.cpp", "rotary.cpp", "prefill_attention.cpp", "kv_write.cpp",
-                     "quantize.cpp")]  # fmt: skip
+                     "quantize.cpp", "moe.cpp")]  # fmt: skip
 OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "bf16_linear", "bf16_linear_amx", "fp32_linear",
        "silu_mul", "silu_mul_parts", "rotary_", "prefill_attention", "paged_prefill_attention",
-       "prefill_attention_amx", "write_kv_", "quantize_rows", "dequantize_sums")
+       "prefill_attention_amx", "write_kv_", "quantize_rows", "dequantize_sums", "moe_experts")
 PREBUILT_ENV = "PDSERVE_CPU_KERNELS_DIR"
 MANIFEST = "manifest.json"
 _lock = threading.Lock()

@@ -27,6 +27,7 @@ import logging
 import torch
 
 from common.engine import cpu_kernels
+from common.engine.module_match import same_forward
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,12 @@ _INT8_EPS = torch.finfo(torch.float32).eps
 
 # sibling projections of one block that read the same input, in the order the models call them
 _SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-# RMSNorm classes computing weight * (x / sqrt(mean(x^2) + eps)) in fp32 (Gemma's 1 + weight is not one)
-_LLAMA_STYLE_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
-# MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x)), and the SiLU activations transformers gives them
-_GATED_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"})
+# RMSNorm classes computing weight * (x / sqrt(mean(x^2) + eps)) in fp32 (Gemma's 1 + weight is not one), and
+# every class whose forward repeats theirs (module_match.py: Qwen3-MoE's, Mixtral's, Granite's ...)
+_LLAMA_STYLE_NORMS = ("llama.LlamaRMSNorm", "qwen2.Qwen2RMSNorm", "qwen3.Qwen3RMSNorm", "mistral.MistralRMSNorm")
+# MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x)) (and their copies), and the SiLU activations
+# transformers gives them
+_GATED_MLPS = ("llama.LlamaMLP", "qwen2.Qwen2MLP", "qwen3.Qwen3MLP", "mistral.MistralMLP")
 _SILUS = frozenset({"SiLUActivation", "SiLU"})
 
 
@@ -370,7 +373,8 @@ def fuse_gated_mlps(model: torch.nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             gate, up = getattr(child, "gate_proj", None), getattr(child, "up_proj", None)
-            if type(child).__name__ not in _GATED_MLPS or type(getattr(child, "act_fn", None)).__name__ not in _SILUS:
+            silu = type(getattr(child, "act_fn", None)).__name__ in _SILUS
+            if not silu or not same_forward(type(child), _GATED_MLPS):
                 continue
             if (isinstance(gate, LinearSlice) and isinstance(up, LinearSlice) and gate._fused[0] is up._fused[0]
                     and (gate.index, up.index) == (0, 1) and len(gate._fused[0].bounds) == 2):  # fmt: skip
@@ -407,7 +411,7 @@ def fuse_rms_norms(model: torch.nn.Module, kernel: bool = False) -> int:
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child).__name__ not in _LLAMA_STYLE_NORMS or not hasattr(child, "variance_epsilon"):
+            if not hasattr(child, "variance_epsilon") or not same_forward(type(child), _LLAMA_STYLE_NORMS):
                 continue
             x = torch.randn(3, child.weight.shape[-1], dtype=child.weight.dtype, device=child.weight.device)
             fused = FusedRMSNorm(child, kernel=kernel)

@@ -40,6 +40,7 @@ from common.engine.kv_cache import KVCacheSpec, PagedKVCache
 from common.engine.kv_tiers import KVTiers
 from common.engine.model_runner import ModelRunner
 from common.engine.model_support import UnsupportedModelError, check_model
+from common.engine.moe import fuse_experts
 from common.engine.prefix_cache import block_hashes
 from common.engine.quantization import trim_heap
 from common.engine.request import (
@@ -127,6 +128,7 @@ class LLMEngine(KVHandoffMixin):
             if kernels:
                 fuse_gated_mlps(loaded.model)
                 fuse_rope_attention(loaded.model)
+                fuse_experts(loaded.model, prefill=config.weight_layout == "prefill")
             # the layers replaced by fused copies (an int8 model's on the heap, not on the checkpoint's map; torchao's
             # weights in reference cycles): 194 MiB of the 0.35B int8 model's RSS
             gc.collect()

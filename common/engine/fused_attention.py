@@ -20,19 +20,22 @@ import sys
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from common.engine.cpu_linear import FusedLinear, LinearSlice
+from common.engine.cpu_linear import _LLAMA_STYLE_NORMS, FusedLinear, LinearSlice
+from common.engine.module_match import same_forward
 
 log = logging.getLogger(__name__)
 
 # attention modules whose forward RopeAttention repeats (projections, half-split RoPE, interface, o_proj), and
 # the ``sliding_window`` each passes to the attention function: none (Llama), the module's (Qwen2: per layer),
-# the config's (Mistral)
+# the config's (Mistral). A class whose forward repeats one of these (module_match.py: Qwen3-MoE's, Mixtral's,
+# Granite's ...) passes what it passes.
 _ROPE_ATTENTIONS = {
     "LlamaAttention": lambda module: {},
     "Qwen2Attention": lambda module: {"sliding_window": module.sliding_window},
     "Qwen3Attention": lambda module: {"sliding_window": module.sliding_window},
     "MistralAttention": lambda module: {"sliding_window": getattr(module.config, "sliding_window", None)},
 }
+_REFERENCES = ("llama.LlamaAttention", "qwen2.Qwen2Attention", "qwen3.Qwen3Attention", "mistral.MistralAttention")
 
 
 class RopeAttention(torch.nn.Module):
@@ -48,7 +51,7 @@ class RopeAttention(torch.nn.Module):
         self.heads = (num_q_heads, num_kv_heads, head_dim)
         self.splits = [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         # what the attention function gets besides the module's own settings (a constant of the layer)
-        self.extra = _ROPE_ATTENTIONS[type(attention).__name__](attention)
+        self.extra = _ROPE_ATTENTIONS[same_forward(type(attention), _REFERENCES)](attention)
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
         # Qwen3: each query and key head RMS-normed before RoPE (query columns first, then key columns)
         self.head_norms = ((attention.q_norm, 0, num_q_heads), (attention.k_norm, self.splits[0], num_kv_heads)) \
@@ -108,7 +111,7 @@ def fuse_rope_attention(model: torch.nn.Module) -> int:
 
 def _fitting(module: torch.nn.Module) -> tuple[FusedLinear, tuple[int, int, int]] | None:
     """(the fused q/k/v product, (query heads, KV heads, head size)) if ``module`` can become a RopeAttention."""
-    if type(module).__name__ not in _ROPE_ATTENTIONS:
+    if same_forward(type(module), _REFERENCES) is None:
         return None
     parts = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if not all(isinstance(p, LinearSlice) for p in parts):
@@ -133,7 +136,8 @@ def _fitting(module: torch.nn.Module) -> tuple[FusedLinear, tuple[int, int, int]
 def _head_norm(norm: torch.nn.Module | None, head_dim: int) -> bool:
     """Whether ``norm`` is an RMSNorm over one head (the engine's FusedRMSNorm, or the class it replaces)."""
     weight = getattr(norm, "weight", None)
-    return type(norm).__name__ in ("FusedRMSNorm", "Qwen3RMSNorm") and weight is not None \
+    llama_style = type(norm).__name__ == "FusedRMSNorm" or same_forward(type(norm), _LLAMA_STYLE_NORMS) is not None
+    return llama_style and weight is not None \
         and weight.shape == (head_dim,)  # fmt: skip
 
 

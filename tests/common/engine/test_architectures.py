@@ -61,6 +61,16 @@ SERVED = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                        shared_expert_intermediate_size=128)),  # fmt: skip
+    # the experts below and above on the engine's packed kernels (common/engine/moe.py)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      first_k_dense_replace=1, n_group=1, topk_group=1)),  # fmt: skip
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=64)),
     "llama3_rope": ("LlamaConfig", "LlamaForCausalLM",
                     dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=64))),  # fmt: skip

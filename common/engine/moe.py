@@ -1,0 +1,107 @@
+"""Mixture-of-experts layers on the engine's CPU kernels: each expert's gated SiLU MLP over packed weights.
+
+transformers keeps a MoE block's experts as two 3-D parameters (``gate_up_proj`` [experts, 2 x inter, hidden],
+``down_proj`` [experts, hidden, inter]) and computes them through its experts interface
+(``transformers.integrations.moe``); on the CPU the default, torch's grouped matmul, loops over every expert
+whether a token chose it or not, over transposed weights. :class:`PackedExperts` stands where such a module stood
+and runs ``torch.ops.pdserve.moe_experts`` (``common/engine/csrc/moe.cpp``): only the experts hit, each through
+the engine's linear kernel over its packed weight, with transformers' roundings.
+
+:func:`fuse_experts` swaps it in where the module is one transformers' default arithmetic covers (concatenated
+gate and up, not transposed, no biases, a SiLU gate, no norm after the experts, no expert parallelism: Qwen2/3-MoE,
+Mixtral, OLMoE, GLM-4-MoE, ERNIE 4.5 MoE and their kin; GPT-OSS's clamped gate and biases keep the model's own)
+and its output matches the module's own on random tokens and routing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.engine.cpu_linear import _own_layout
+
+log = logging.getLogger(__name__)
+
+_LAYOUTS = ("fp32_blocks", "bf16_pairs", "bf16_amx")
+_PACK = {"fp32_blocks": "pack_fp32_blocks", "bf16_pairs": "pack_bf16_pairs", "bf16_amx": "pack_bf16_pairs"}
+
+
+class PackedExperts(torch.nn.Module):
+    """An experts module's weights packed for the engine's linear kernel of ``layout``, one stack per projection;
+    called as the module it replaces: ``(hidden_states [tokens, hidden], top_k_index, top_k_weights)``."""
+
+    def __init__(self, experts: torch.nn.Module, layout: str) -> None:
+        super().__init__()
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        pack = getattr(torch.ops.pdserve, _PACK[layout])
+        self.layout = layout
+        self.num_experts, two_inter, self.hidden = gate_up.shape
+        self.inter = two_inter // 2
+        self.gate_up = torch.nn.Parameter(torch.stack([pack(w) for w in gate_up]), requires_grad=False)
+        self.down = torch.nn.Parameter(torch.stack([pack(w) for w in down]), requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return torch.ops.pdserve.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up, self.down,
+                                             self.inter, self.layout)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, layout={self.layout}"
+
+
+def fuse_experts(model: torch.nn.Module, prefill: bool = False) -> int:
+    """Replace each fitting experts module of ``model`` (see the module doc) by a :class:`PackedExperts` whose
+    output matches it on random tokens and routing; returns how many. Needs the engine's CPU kernels (the caller
+    checked that they loaded). ``prefill``: the weight layouts of a prefill worker (as for the linear layers)."""
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            layout = _fitting(child, prefill)
+            if layout is None:
+                continue
+            packed = PackedExperts(child, layout)
+            if _same_output(packed, child):
+                setattr(parent, name, packed)
+                done += 1
+            else:
+                log.warning("keeping %s for %s: packed experts differ", type(child).__name__, name)
+    return done
+
+
+def _fitting(module: torch.nn.Module, prefill: bool) -> str | None:
+    """The packed layout for ``module``'s experts, or None where transformers' default arithmetic does not cover
+    it or the engine's kernels do not take its weights."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if type(gate_up) is not torch.nn.Parameter or type(down) is not torch.nn.Parameter:  # DTensors, quantized
+        return None
+    if not (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)) or any(
+            getattr(module, flag, True) for flag in ("has_bias", "is_transposed", "has_post_expert_norm",
+                                                     "_is_expert_parallel")):  # fmt: skip
+        return None
+    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
+        return None
+    if type(getattr(module, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
+        return None
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] or gate_up.shape[1] % 2 \
+            or down.shape[1:] != (gate_up.shape[2], gate_up.shape[1] // 2):  # fmt: skip
+        return None
+    layout = _own_layout(gate_up[0], prefill)
+    if layout not in _LAYOUTS or _own_layout(down[0], prefill) != layout:
+        return None
+    return layout
+
+
+def _same_output(packed: PackedExperts, module: torch.nn.Module) -> bool:
+    """Whether ``packed`` gives ``module``'s output on 7 random tokens, each routed to distinct random experts."""
+    dtype = packed.gate_up.dtype
+    generator = torch.Generator().manual_seed(0)
+    top_k = min(2, packed.num_experts)
+    x = torch.randn(7, packed.hidden, generator=generator).to(dtype)
+    index = torch.stack([torch.randperm(packed.num_experts, generator=generator)[:top_k] for _ in range(7)])
+    weights = torch.rand(7, top_k, generator=generator).softmax(-1).to(dtype)
+    with torch.inference_mode():
+        got, want = packed(x, index, weights).float(), module(x, index, weights).float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    return bool(torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()))

@@ -1,0 +1,177 @@
+"""Mixture-of-experts layers on the engine's kernels (common/engine/moe.py, csrc/moe.cpp) and the module copies the
+fused paths recognize by their forward (common/engine/module_match.py).
+
+The experts' output must be transformers' own (its default grouped-matmul path) up to the order of summation, for
+any routing, in fp32 and bf16; an engine over a MoE checkpoint must run its experts packed and still give stock
+``generate``'s tokens (tests/common/engine/test_architectures.py holds the greedy oracle over the MoE families);
+what the kernel does not compute as transformers does keeps the model's own module.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.mixtral.modeling_mixtral import MixtralAttention, MixtralRMSNorm
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeRMSNorm
+
+from common.engine import cpu_kernels
+from common.engine.config import EngineConfig
+from common.engine.cpu_linear import _LLAMA_STYLE_NORMS
+from common.engine.engine import LLMEngine
+from common.engine.fused_attention import _REFERENCES as ATTENTIONS
+from common.engine.fused_attention import RopeAttention
+from common.engine.loader import load_model
+from common.engine.module_match import same_forward
+from common.engine.moe import PackedExperts, _fitting, fuse_experts
+from common.engine.sampling_params import SamplingParams
+from tests.conftest import hf_greedy
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels unavailable")
+
+HIDDEN, INTER, EXPERTS, TOP_K = 96, 80, 6, 2
+
+
+def experts(dtype: torch.dtype, seed: int = 0) -> Qwen3MoeExperts:
+    config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
+                                         num_experts_per_tok=TOP_K)  # fmt: skip
+    module = Qwen3MoeExperts(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=g) * 0.1)
+        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=g) * 0.1)
+    return module.to(dtype).eval()
+
+
+def routing(tokens: int, dtype: torch.dtype, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+    index = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(tokens)]) if tokens else \
+        torch.zeros(0, TOP_K, dtype=torch.long)  # fmt: skip
+    weights = torch.rand(tokens, TOP_K, generator=g).softmax(-1).to(dtype)
+    return x, index, weights
+
+
+def layout(dtype: torch.dtype) -> str:
+    found = _fitting(experts(dtype), prefill=False)
+    if found is None:
+        pytest.skip(f"no engine linear kernel takes {dtype} weights on this CPU")
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 1, 3, 16, 67])
+def test_packed_experts_give_transformers_output(dtype, tokens):
+    module = experts(dtype)
+    packed = PackedExperts(module, layout(dtype))
+    x, index, weights = routing(tokens, dtype)
+    with torch.inference_mode():
+        got, want = packed(x, index, weights), module(x, index, weights)
+    assert got.dtype == want.dtype == dtype and got.shape == (tokens, HIDDEN)
+    if dtype == torch.float32 or tokens == 0:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:  # one bf16 rounding of each product apart at most: stock's own error against fp32 bounds it
+        exact = experts(torch.float32)(x.float(), index, weights.float())
+        assert (got.float() - exact).abs().max() <= 2 * (want.float() - exact).abs().max() + 1e-3
+
+
+def test_every_routed_expert_counts_and_no_other():
+    """Zeroing an expert no token chose changes nothing; zeroing a chosen one changes exactly its tokens."""
+    module = experts(torch.float32)
+    x, index, weights = routing(9, torch.float32)
+    unused = sorted(set(range(EXPERTS)) - set(index.flatten().tolist()))
+    base = PackedExperts(module, layout(torch.float32))(x, index, weights)
+    chosen = int(index[0, 0])
+    for expert, changed in ((unused[0] if unused else None, set()),
+                            (chosen, {t for t in range(9) if chosen in index[t].tolist()})):  # fmt: skip
+        if expert is None:
+            continue
+        with torch.no_grad():
+            copy = experts(torch.float32)
+            copy.down_proj[expert].zero_()
+        out = PackedExperts(copy, layout(torch.float32))(x, index, weights)
+        assert {t for t in range(9) if not torch.equal(out[t], base[t])} == changed
+
+
+def test_expert_ids_out_of_range_are_an_error():
+    module = experts(torch.float32)
+    x, index, weights = routing(2, torch.float32)
+    index[1, 0] = EXPERTS
+    with pytest.raises(RuntimeError, match="expert id 6 out of"):
+        PackedExperts(module, layout(torch.float32))(x, index, weights)
+
+
+def test_experts_with_their_own_arithmetic_keep_the_model_module():
+    """A custom gate (GPT-OSS's clamped one), biases or a transposed layout are not what the kernel computes."""
+    module = experts(torch.float32)
+    layout(torch.float32)
+
+    class ClampedGate(Qwen3MoeExperts):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=7.0)) * up
+
+    custom = ClampedGate(module.config)
+    assert _fitting(custom, prefill=False) is None
+    module.has_bias = True
+    assert _fitting(module, prefill=False) is None
+    module.has_bias, module.is_transposed = False, True
+    assert _fitting(module, prefill=False) is None
+
+
+def test_a_packing_that_differs_keeps_the_module(caplog, monkeypatch):
+    """fuse_experts checks the packed output against the module's before it swaps."""
+    parent = torch.nn.Module()
+    parent.experts = experts(torch.float32)
+    if layout(torch.float32) != "fp32_blocks":
+        pytest.skip("fp32 weights take another layout here")
+    original = torch.ops.pdserve.pack_fp32_blocks
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.ops.pdserve, "pack_fp32_blocks", lambda w: original(w * 1.01))  # off by 1%
+        assert fuse_experts(parent) == 0
+    assert isinstance(parent.experts, Qwen3MoeExperts) and "packed experts differ" in caplog.text
+    assert fuse_experts(parent) == 1 and isinstance(parent.experts, PackedExperts)
+
+
+def test_copies_of_the_reference_modules_are_recognized_by_their_forward():
+    assert same_forward(Qwen3MoeRMSNorm, _LLAMA_STYLE_NORMS) == "LlamaRMSNorm"
+    assert same_forward(MixtralRMSNorm, _LLAMA_STYLE_NORMS) == "LlamaRMSNorm"
+    assert same_forward(MixtralAttention, ATTENTIONS) == "MistralAttention"  # the config's sliding window
+    assert same_forward(GemmaRMSNorm, _LLAMA_STYLE_NORMS) is None  # x * (1 + weight)
+
+    class Scaled(Qwen3MoeRMSNorm):
+        def forward(self, hidden_states):
+            return 2 * super().forward(hidden_states)
+
+    assert same_forward(Scaled, _LLAMA_STYLE_NORMS) is None
+
+
+def test_an_engine_over_a_moe_checkpoint_runs_packed_experts_and_fused_layers(tiny_model_dir, tmp_path, hf_reference):
+    """Qwen3-MoE: every MoE layer's experts packed, its attention, norms fused; greedy tokens are stock's."""
+    config = transformers.Qwen3MoeConfig(vocab_size=4096, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=64, mlp_only_layers=[1], intermediate_size=256, max_position_embeddings=512,
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    for f in Path(tiny_model_dir("llama")).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp_path)
+    engine = LLMEngine(load_model(str(tmp_path)), EngineConfig(num_kv_blocks=64))
+    model = engine.loaded.model
+    layers = model.model.layers
+    assert [type(layer.mlp.experts).__name__ if hasattr(layer.mlp, "experts") else "dense" for layer in layers] == \
+        ["PackedExperts", "dense", "PackedExperts"]  # fmt: skip
+    assert all(isinstance(layer.self_attn, RopeAttention) for layer in layers)
+    assert not any(type(m).__name__ == "Qwen3MoeRMSNorm" for m in model.modules())
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(4, 4096, (n,), generator=g).tolist() for n in (1, 30, 90)]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    results = engine.generate(batch, [greedy] * len(batch))
+    reference = hf_reference(str(tmp_path))
+    for prompt, result in zip(batch, results):
+        assert result.token_ids == hf_greedy(reference, prompt, greedy.max_new_tokens)
