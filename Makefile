@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run run-engine test bench bench-disagg bench-cluster bench-http bench-reuse bench-soak bench-quant bench-roofline bench-overhead gpu-check clean
+.PHONY: setup run run-engine test bench bench-disagg bench-cluster bench-http bench-reuse bench-soak bench-quant bench-roofline bench-overhead bench-families gpu-check clean
 
 # torch is pinned to the CPU build that lies on these machines' disk; see README for CUDA machines.
 $(BIN)/.installed: pyproject.toml
@@ -80,6 +80,10 @@ bench-overhead: $(BIN)/.installed
 # int8 weight-only quantization against fp32 on the 60M Llama (ARGS="--dtype bfloat16" for bf16)
 bench-quant: $(BIN)/.installed
 	$(BIN)/python benchmarks/quantization.py $(ARGS)
+
+# Decode speed across model families (MoE, Gemma, Phi-3 ...) against a Llama of the same shape (ARGS="--dtype bfloat16")
+bench-families: $(BIN)/.installed
+	$(BIN)/python benchmarks/families.py $(ARGS)
 
 # One prepared check on a GPU machine (no set-up: it runs with whatever python there has torch); ARGS=... passes
 # flags, e.g. make gpu-check ARGS="--device cpu --quick". With $$OUT set, the table and JSON land there too.

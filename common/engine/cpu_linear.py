@@ -53,7 +53,12 @@ _LLAMA_STYLE_NORMS = ("llama.LlamaRMSNorm", "qwen2.Qwen2RMSNorm", "qwen3.Qwen3RM
 # MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x)) (and their copies), and the SiLU activations
 # transformers gives them
 _GATED_MLPS = ("llama.LlamaMLP", "qwen2.Qwen2MLP", "qwen3.Qwen3MLP", "mistral.MistralMLP")
-_SILUS = frozenset({"SiLUActivation", "SiLU"})
+# MLPs computing down_proj(up * act_fn(gate)) from one gate|up layer (gate columns first)
+_GATE_UP_MLPS = ("phi3.Phi3MLP",)
+# Gemma's RMSNorm: x / rms(x) * (1 + weight), in fp32, rounded once (Gemma 2's, Gemma 3's: copies)
+_GEMMA_STYLE_NORMS = ("gemma.GemmaRMSNorm",)
+# the activations of a gated MLP the engine's kernels compute (torch.ops.pdserve.<op>), by transformers' class name
+_ACT_MUL = {"SiLUActivation": "silu_mul", "SiLU": "silu_mul", "GELUTanh": "gelu_tanh_mul"}
 
 
 class PackedLinear(torch.nn.Module):
@@ -346,50 +351,83 @@ class FusedRMSNorm(torch.nn.Module):
         return x, self.forward(x)
 
 
-class FusedGatedMLP(torch.nn.Module):
-    """A gated SiLU MLP (``down(silu(gate(x)) * up(x))``, Llama/Qwen/Mistral) over its fused gate/up product, the
-    activation one call of the engine's kernel (``torch.ops.pdserve.silu_mul``) instead of a silu and a multiply
-    over two column slices. A prefill worker's oneDNN layers keep gate and up apart (``gate``, ``up``; see
-    :func:`_keep_apart`): the kernel then reads the two products (``silu_mul_parts``)."""
+class FusedScaledRMSNorm(torch.nn.Module):
+    """Gemma's RMSNorm (``x / rms(x) * (1 + weight)``, in fp32, rounded once) as one call of the engine's kernel
+    (``torch.ops.pdserve.rms_norm_scaled``), 1 + weight computed once."""
 
-    def __init__(self, gate_up: FusedLinear | None, down_proj: torch.nn.Module,
-                 gate: PackedLinear | None = None, up: PackedLinear | None = None) -> None:  # fmt: skip
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.register_buffer("scale", (1.0 + norm.weight.detach().float()).contiguous())
+        self.eps = float(norm.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pdserve.rms_norm_scaled(x, self.scale, self.eps)
+
+
+class FusedGatedMLP(torch.nn.Module):
+    """A gated MLP (``down(act(gate(x)) * up(x))``, Llama/Qwen/Mistral with SiLU, Gemma with GeLU's tanh
+    approximation; Phi-3's ``up * silu(gate)`` over its checkpoint's own gate|up projection) over its fused gate/up
+    product, the activation one call of the engine's kernel (``torch.ops.pdserve.silu_mul``, ``gelu_tanh_mul``)
+    instead of an activation and a multiply over two column slices. A prefill worker's oneDNN layers keep gate and
+    up apart (``gate``, ``up``; see :func:`_keep_apart`): the kernel then reads the two products
+    (``silu_mul_parts``, SiLU only)."""
+
+    def __init__(self, gate_up: FusedLinear | PackedLinear | None, down_proj: torch.nn.Module,
+                 gate: PackedLinear | None = None, up: PackedLinear | None = None,
+                 act_mul: str = "silu_mul") -> None:  # fmt: skip
         super().__init__()
         self.gate_up = gate_up
+        # the layer computing gate|up (not a submodule: gate_up registers it) and the activation's kernel
+        self._product = (gate_up.linear if isinstance(gate_up, FusedLinear) else gate_up,)
+        self._act_mul = (getattr(torch.ops.pdserve, act_mul),)
         self.gate, self.up = gate, up
         self.down_proj = down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(torch.ops.pdserve.silu_mul_parts(self.gate(x), self.up(x)))
-        return self.down_proj(torch.ops.pdserve.silu_mul(self.gate_up.linear(x)))
+        return self.down_proj(self._act_mul[0](self._product[0](x)))
 
 
 def fuse_gated_mlps(model: torch.nn.Module) -> int:
-    """Replace each gated SiLU MLP whose gate and up projections were fused (:func:`pack_linear_layers`) by a
-    :class:`FusedGatedMLP` whose output matches it on a random input; returns how many. Needs the engine's CPU
-    kernels (the caller checked that they loaded)."""
+    """Replace each gated SiLU MLP whose gate and up projections were fused (:func:`pack_linear_layers`, or one
+    layer in the checkpoint: Phi-3) by a :class:`FusedGatedMLP` whose output matches it on a random input; returns
+    how many. Needs the engine's CPU kernels (the caller checked that they loaded)."""
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            gate, up = getattr(child, "gate_proj", None), getattr(child, "up_proj", None)
-            silu = type(getattr(child, "act_fn", None)).__name__ in _SILUS
-            if not silu or not same_forward(type(child), _GATED_MLPS):
+            fused = _gated_mlp(child)
+            if fused is None:
                 continue
-            if (isinstance(gate, LinearSlice) and isinstance(up, LinearSlice) and gate._fused[0] is up._fused[0]
-                    and (gate.index, up.index) == (0, 1) and len(gate._fused[0].bounds) == 2):  # fmt: skip
-                fused = FusedGatedMLP(gate._fused[0], child.down_proj)
-                dtype = gate._fused[0].linear.dtype
-            elif (type(gate) is PackedLinear and type(up) is PackedLinear and gate.layout == up.layout == "onednn"
-                    and gate.dtype == up.dtype and gate.in_features == up.in_features
-                    and gate.out_features == up.out_features and gate.bias is None and up.bias is None):  # fmt: skip
-                fused = FusedGatedMLP(None, child.down_proj, gate=gate, up=up)  # kept apart (_keep_apart)
-                dtype = gate.dtype
-            else:
-                continue
-            x = torch.randn(3, gate.in_features, dtype=dtype)
+            product = fused._product[0] or fused.gate
+            x = torch.randn(3, product.in_features, dtype=product.dtype)
             done += _swap_if_equal(parent, name, child, fused, x, tol=1e-4 if x.dtype == torch.float32 else 2e-2)
     return done
+
+
+def _gated_mlp(child: torch.nn.Module) -> FusedGatedMLP | None:
+    """``child`` as a :class:`FusedGatedMLP`, where it is a gated SiLU MLP over packed layers."""
+    down = getattr(child, "down_proj", None)
+    if down is None:
+        return None
+    if same_forward(type(child), _GATE_UP_MLPS):  # Phi-3: one gate|up layer, up * act(gate)
+        gate_up = getattr(child, "gate_up_proj", None)
+        act_mul = _ACT_MUL.get(type(getattr(child, "activation_fn", None)).__name__)
+        if act_mul and type(gate_up) is PackedLinear and gate_up.out_features % 2 == 0:
+            return FusedGatedMLP(gate_up, down, act_mul=act_mul)
+        return None
+    act_mul = _ACT_MUL.get(type(getattr(child, "act_fn", None)).__name__)
+    if act_mul is None or not same_forward(type(child), _GATED_MLPS):
+        return None
+    gate, up = getattr(child, "gate_proj", None), getattr(child, "up_proj", None)
+    if (isinstance(gate, LinearSlice) and isinstance(up, LinearSlice) and gate._fused[0] is up._fused[0]
+            and (gate.index, up.index) == (0, 1) and len(gate._fused[0].bounds) == 2):  # fmt: skip
+        return FusedGatedMLP(gate._fused[0], down, act_mul=act_mul)
+    if (act_mul == "silu_mul" and type(gate) is PackedLinear and type(up) is PackedLinear
+            and gate.layout == up.layout == "onednn" and gate.dtype == up.dtype and gate.in_features == up.in_features
+            and gate.out_features == up.out_features and gate.bias is None and up.bias is None):  # fmt: skip
+        return FusedGatedMLP(None, down, gate=gate, up=up)  # kept apart (_keep_apart)
+    return None
 
 
 def _swap_if_equal(parent: torch.nn.Module, name: str, child: torch.nn.Module, fused: torch.nn.Module,
@@ -406,15 +444,22 @@ def _swap_if_equal(parent: torch.nn.Module, name: str, child: torch.nn.Module, f
 
 def fuse_rms_norms(model: torch.nn.Module, kernel: bool = False) -> int:
     """Replace each Llama-style RMSNorm of ``model`` by a :class:`FusedRMSNorm` (on the engine's C++ kernel
-    when ``kernel``: the caller checked that it loaded) whose output matches it on a random input; returns
-    how many."""
+    when ``kernel``: the caller checked that it loaded), and with the kernel each Gemma-style one by a
+    :class:`FusedScaledRMSNorm`, whose output matches it on a random input; returns how many."""
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not hasattr(child, "variance_epsilon") or not same_forward(type(child), _LLAMA_STYLE_NORMS):
+            weight = getattr(child, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.device.type != "cpu":
                 continue
-            x = torch.randn(3, child.weight.shape[-1], dtype=child.weight.dtype, device=child.weight.device)
-            fused = FusedRMSNorm(child, kernel=kernel)
+            if hasattr(child, "variance_epsilon") and same_forward(type(child), _LLAMA_STYLE_NORMS):
+                fused = FusedRMSNorm(child, kernel=kernel)
+            elif (kernel and isinstance(getattr(child, "eps", None), float) and weight.dtype in _PACKABLE_DTYPES
+                    and same_forward(type(child), _GEMMA_STYLE_NORMS)):  # fmt: skip
+                fused = FusedScaledRMSNorm(child)
+            else:
+                continue
+            x = torch.randn(3, weight.shape[-1], dtype=weight.dtype)
             done += _swap_if_equal(parent, name, child, fused, x, tol=1e-5 if x.dtype == torch.float32 else 1e-2)
     return done
 

@@ -20,7 +20,7 @@ import sys
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from common.engine.cpu_linear import _LLAMA_STYLE_NORMS, FusedLinear, LinearSlice
+from common.engine.cpu_linear import _LLAMA_STYLE_NORMS, LinearSlice, PackedLinear
 from common.engine.module_match import same_forward
 
 log = logging.getLogger(__name__)
@@ -34,19 +34,23 @@ _ROPE_ATTENTIONS = {
     "Qwen2Attention": lambda module: {"sliding_window": module.sliding_window},
     "Qwen3Attention": lambda module: {"sliding_window": module.sliding_window},
     "MistralAttention": lambda module: {"sliding_window": getattr(module.config, "sliding_window", None)},
+    # one q|k|v layer in the checkpoint
+    "Phi3Attention": lambda module: {"sliding_window": getattr(module.config, "sliding_window", None)},
 }
-_REFERENCES = ("llama.LlamaAttention", "qwen2.Qwen2Attention", "qwen3.Qwen3Attention", "mistral.MistralAttention")
+_REFERENCES = ("llama.LlamaAttention", "qwen2.Qwen2Attention", "qwen3.Qwen3Attention", "mistral.MistralAttention",
+               "phi3.Phi3Attention")
 
 
 class RopeAttention(torch.nn.Module):
-    """Stands where a Llama/Qwen2/Qwen3/Mistral attention module stood; keeps it for its settings, its output
-    projection and Qwen3's per-head norms."""
+    """Stands where a Llama/Qwen2/Qwen3/Mistral/Phi-3 attention module stood; keeps it for its settings, its
+    output projection and Qwen3's per-head norms. ``qkv``: the packed layer computing q|k|v (a FusedLinear's, or
+    Phi-3's own ``qkv_proj``)."""
 
-    def __init__(self, attention: torch.nn.Module, qkv: FusedLinear, num_q_heads: int, num_kv_heads: int,
+    def __init__(self, attention: torch.nn.Module, qkv: PackedLinear, num_q_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:  # fmt: skip
         super().__init__()
         self.inner = attention
-        self._qkv = (qkv,)  # not a submodule: the attention module it replaces registers the fused layer already
+        self._qkv = (qkv,)  # not a submodule: the attention module it replaces registers the layer already
         self.layer_idx = attention.layer_idx
         self.heads = (num_q_heads, num_kv_heads, head_dim)
         self.splits = [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
@@ -72,7 +76,7 @@ class RopeAttention(torch.nn.Module):
     def project(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
         """The rotated query and key and the value, [batch, heads, tokens, head size] views of one product."""
         shape = hidden_states.shape[:-1]
-        qkv = self._qkv[0].linear(hidden_states)  # a fresh tensor: normed and rotated in place
+        qkv = self._qkv[0](hidden_states)  # a fresh tensor: normed and rotated in place
         d = self.heads[2]
         for norm, start, heads in self.head_norms:
             cols = qkv[..., start : start + heads * d]
@@ -95,8 +99,8 @@ def fuse_rope_attention(model: torch.nn.Module) -> int:
             fitting = _fitting(child)
             if fitting is None:
                 continue
-            fused, heads = fitting
-            dtype = fused.linear.dtype
+            product, heads = fitting
+            dtype = product.dtype
             key = f"{type(child).__module__}:{dtype}:{heads}"
             if key not in checked:
                 checked[key] = _kernel_matches(sys.modules[type(child).__module__], dtype, *heads)
@@ -104,15 +108,26 @@ def fuse_rope_attention(model: torch.nn.Module) -> int:
                     log.warning("keeping %s: the rotary kernel differs from its apply_rotary_pos_emb",
                                 type(child).__name__)
             if checked[key]:
-                setattr(parent, name, RopeAttention(child, fused, *heads))
+                setattr(parent, name, RopeAttention(child, product, *heads))
                 done += 1
     return done
 
 
-def _fitting(module: torch.nn.Module) -> tuple[FusedLinear, tuple[int, int, int]] | None:
-    """(the fused q/k/v product, (query heads, KV heads, head size)) if ``module`` can become a RopeAttention."""
-    if same_forward(type(module), _REFERENCES) is None:
+def _fitting(module: torch.nn.Module) -> tuple[PackedLinear, tuple[int, int, int]] | None:
+    """(the packed q|k|v layer, (query heads, KV heads, head size)) if ``module`` can become a RopeAttention."""
+    reference = same_forward(type(module), _REFERENCES)
+    if reference is None:
         return None
+    config = module.config
+    head_dim = module.head_dim
+    if reference == "Phi3Attention":
+        product, q_heads = module.qkv_proj, config.num_attention_heads
+        kv_heads = getattr(module, "num_key_value_heads", None)
+        if type(product) is not PackedLinear or not isinstance(kv_heads, int) or head_dim % 2 \
+                or product.out_features != (q_heads + 2 * kv_heads) * head_dim \
+                or getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):  # fmt: skip
+            return None
+        return product, (q_heads, kv_heads, head_dim)
     parts = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if not all(isinstance(p, LinearSlice) for p in parts):
         return None
@@ -120,8 +135,6 @@ def _fitting(module: torch.nn.Module) -> tuple[FusedLinear, tuple[int, int, int]
     if any(p._fused[0] is not fused for p in parts) or [p.index for p in parts] != [0, 1, 2] \
             or len(fused.bounds) != 3:  # fmt: skip
         return None
-    config = module.config
-    head_dim = module.head_dim
     norms = [getattr(module, n, None) for n in ("q_norm", "k_norm")]
     if norms != [None, None] and not all(_head_norm(n, head_dim) for n in norms):
         return None
@@ -130,7 +143,7 @@ def _fitting(module: torch.nn.Module) -> tuple[FusedLinear, tuple[int, int, int]
     q, k = parts[0].out_features, parts[1].out_features
     if q % head_dim or k % head_dim or parts[2].out_features != k:
         return None
-    return fused, (q // head_dim, k // head_dim, head_dim)
+    return fused.linear, (q // head_dim, k // head_dim, head_dim)
 
 
 def _head_norm(norm: torch.nn.Module | None, head_dim: int) -> bool:

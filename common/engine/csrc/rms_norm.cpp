@@ -1,4 +1,4 @@
-// Llama-style RMSNorm of each row in one pass: y = w * to_dtype(x * rsqrt(mean(x^2) + eps)), computed in
+// Llama-style RMSNorm of each row in one pass (rms_norm_scaled: Gemma's, below): y = w * to_dtype(x * rsqrt(mean(x^2) + eps)), computed in
 // float as transformers' LlamaRMSNorm does (the normalised row rounded to the input dtype before the weight).
 // PyTorch runs that as six to eight small ops (~35-50 us a call at one row on 2 cores); a decode step of a
 // 24-layer model calls it 49 times.
@@ -39,6 +39,21 @@ __attribute__((noinline)) void rms_row(const T* xr, const T* w, T* yr, int64_t n
     const T normed = round_to<T>(to_float(xr[i]) * inv);  // the rounding transformers does
     yr[i] = round_to<T>(to_float(w[i]) * to_float(normed));
   }
+}
+
+// Gemma's RMSNorm: y = to_dtype(x * rsqrt(mean(x^2) + eps) * scale), all in float and rounded once (scale = 1 +
+// weight, in float), as transformers' GemmaRMSNorm computes it.
+template <typename T>
+__attribute__((noinline)) void scaled_row(const T* xr, const float* scale, T* yr, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(xr[i]);
+    sum += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) yr[i] = round_to<T>(to_float(xr[i]) * inv * scale[i]);
 }
 
 template <typename T>
@@ -89,6 +104,31 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out.view(x.sizes());
 }
 
+// x [..., N] float32 or bfloat16, scale [N] float32 -> Gemma's RMSNorm of x with that 1 + weight
+at::Tensor rms_norm_scaled(const at::Tensor& x, const at::Tensor& scale, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && scale.device().is_cpu() && scale.scalar_type() == at::kFloat &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "pdserve::rms_norm_scaled takes a float32 or bfloat16 x and a float32 scale on the CPU");
+  TORCH_CHECK(scale.dim() == 1 && scale.is_contiguous() && x.dim() >= 1 && x.size(-1) == scale.numel(),
+              "scale must be a contiguous [N] tensor and x [..., N]");
+  const int64_t n = scale.numel();
+  at::Tensor rows = x.reshape({-1, n});
+  if (rows.stride(1) != 1) rows = rows.contiguous();
+  at::Tensor out = at::empty({rows.size(0), n}, x.options());
+  const float feps = static_cast<float>(eps);
+  const float* sc = scale.data_ptr<float>();
+  at::parallel_for(0, rows.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (x.scalar_type() == at::kFloat)
+        scaled_row(rows.data_ptr<float>() + r * rows.stride(0), sc, out.data_ptr<float>() + r * n, n, feps);
+      else
+        scaled_row(rows.data_ptr<c10::BFloat16>() + r * rows.stride(0), sc, out.data_ptr<c10::BFloat16>() + r * n, n,
+                   feps);
+    }
+  });
+  return out.view(x.sizes());
+}
+
 // x (contiguous) += residual (x's shape and dtype), in place; returns rms_norm(x) with the new x
 at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_norm_args(x, weight, "add_rms_norm_");
@@ -120,4 +160,6 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm_));
+  m.def("rms_norm_scaled(Tensor x, Tensor scale, float eps) -> Tensor");
+  m.impl("rms_norm_scaled", c10::DispatchKey::CPU, TORCH_FN(rms_norm_scaled));
 }

@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from common.engine import cpu_kernels
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.loader import load_model
@@ -156,6 +157,37 @@ def test_fp32_greedy_equals_generate(name, checkpoint, hf_reference):
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
 
 
+# the engine's fused modules each family's layers run with the CPU kernels (common/engine/cpu_linear.py,
+# fused_attention.py, moe.py; copies of the reference classes recognized by module_match.py). A family losing one
+# runs slower without any other test noticing: its tokens stay stock's.
+ROPE, MLP, NORM, EXPERTS = "RopeAttention", "FusedGatedMLP", "FusedRMSNorm", "PackedExperts"
+SCALED = "FusedScaledRMSNorm"  # Gemma's x / rms(x) * (1 + w)
+FUSED = {
+    "qwen3": {ROPE, MLP, NORM},
+    "llama3_rope": {ROPE, MLP, NORM},
+    "phi3": {ROPE, MLP, NORM},  # its checkpoint's own q|k|v and gate|up layers
+    "granite": {ROPE, MLP, NORM},  # copies of Llama's classes
+    "gemma": {ROPE, MLP, SCALED},  # a GeLU MLP
+    "gemma2": {MLP, SCALED},  # a soft cap: its own attention
+    "gemma3": {MLP, SCALED},  # Gemma-style q/k norms: its own attention
+    "mixtral": {ROPE, NORM, EXPERTS},
+    "qwen2_moe": {ROPE, MLP, NORM, EXPERTS},  # the shared expert a gated MLP
+    "qwen3_moe": {ROPE, NORM, EXPERTS},
+    "olmoe": {NORM, EXPERTS},  # q/k norms over all heads at once: its own attention
+    "phimoe": {ROPE, EXPERTS},  # LayerNorm
+    "gpt_oss": set(),  # a clamped gate with biases: its own experts
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_each_family_runs_the_fused_modules_it_fits(name, checkpoint):
+    if not cpu_kernels.load():
+        pytest.skip("CPU kernels unavailable")
+    engine = LLMEngine(load_model(checkpoint(name, SERVED)), EngineConfig(num_kv_blocks=32))
+    kinds = {type(m).__name__ for m in engine.loaded.model.modules()}
+    assert kinds & {ROPE, MLP, NORM, SCALED, EXPERTS} == FUSED[name]
+
+
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_what_the_engine_cannot_compute_is_refused_naming_why(name, checkpoint):
     with pytest.raises(UnsupportedModelError, match=f"model_type '{name}") as refused:
@@ -242,11 +274,13 @@ def test_disaggregated_output_equals_stock_generate(name, checkpoint, hf_referen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gpt_oss", "gpt_bigcode", "gemma3n"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gpt_oss", "gpt_bigcode", "gemma3n", "gemma", "gemma3",
+                                  "qwen3_moe", "mixtral"])  # fmt: skip
 def test_bf16_decode_logits_within_bf16_rounding_of_stock(name, checkpoint):
     """A decode step of two sequences in bf16: each row's logits as far from stock fp32's as stock bf16's are (2x:
     summation orders differ), on the fused modules (Qwen3), plain-op attention (Gemma 2, GPT-OSS), one KV head
-    (GPT-BigCode) and reused K/V (Gemma 3n). Measured: 0.4-2.2% of the largest logit apart from stock bf16's."""
+    (GPT-BigCode), reused K/V (Gemma 3n), Gemma's norms and GeLU MLP in the engine's kernels (Gemma, Gemma 3) and
+    packed experts (Qwen3-MoE, Mixtral). Measured: 0.4-2.2% of the largest logit apart from stock bf16's."""
     d = checkpoint(name, SERVED)
     engine = LLMEngine(load_model(d, dtype="bfloat16"), EngineConfig(prefill_chunk_size=48))
     stock = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()

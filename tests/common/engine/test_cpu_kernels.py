@@ -184,6 +184,60 @@ def test_add_rms_norm_is_the_addition_then_the_norm_bit_for_bit(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 1024), (1, 7, 512), (3, 1000)])
+def test_rms_norm_scaled_matches_gemmas_norm(dtype, shape):
+    """Gemma's x / rms(x) * (1 + w), one rounding: fp32 within a few ulps, bf16 the same roundings (only the sum of
+    squares may add in another order)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    norm = GemmaRMSNorm(shape[-1], eps=1e-6)
+    norm.weight.data.copy_(torch.randn(shape[-1], generator=g))
+    norm = norm.to(dtype)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    scale = 1.0 + norm.weight.float()
+    with torch.inference_mode():
+        expected = norm(x)
+        got = torch.ops.pdserve.rms_norm_scaled(x, scale, 1e-6)
+        strided = torch.ops.pdserve.rms_norm_scaled(torch.cat([x, x], -1)[..., : shape[-1]], scale, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(strided, got, rtol=0, atol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    else:
+        assert (got == expected).float().mean() > 0.99
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-3)
+    with pytest.raises(RuntimeError, match="float32 scale"):
+        torch.ops.pdserve.rms_norm_scaled(x, scale.to(dtype) if dtype != torch.float32 else scale.double(), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_gelu_tanh_mul_matches_pytorch(dtype, rows):
+    """gelu(gate, approximate="tanh") * up (Gemma's gated MLP) with PyTorch's formula and two roundings in bf16; the
+    tanh is the kernel's own (Cephes' tanhf): fp32 within a few ulps of 1 (1 + tanh cancels where tanh nears -1, in
+    PyTorch as here), bf16 bit for bit but where those ulps cross a rounding boundary. Extremes (0, +-100,
+    +-1e-30, +-1e30, inf, NaN) as PyTorch gives them."""
+    g = torch.Generator().manual_seed(rows)
+    gu = (torch.randn(rows, 2 * 1408, generator=g) * 4).to(dtype)
+    gu[0, :10] = torch.tensor([0.0, 100.0, -100.0, 1e-30, -1e-30, 1e30, -1e30, float("inf"), float("-inf"),
+                               float("nan")])  # fmt: skip
+    expected = torch.nn.functional.gelu(gu[:, :1408], approximate="tanh") * gu[:, 1408:]
+    got = torch.ops.pdserve.gelu_tanh_mul(gu)
+    assert got.dtype == dtype and got.shape == (rows, 1408)
+    torch.testing.assert_close(torch.ops.pdserve.gelu_tanh_mul(torch.cat([gu, gu], -1)[:, : 2 * 1408]), got, rtol=0,
+                               atol=0, equal_nan=True)  # fmt: skip
+    same = (got == expected) | (got.isnan() & expected.isnan())
+    torch.testing.assert_close(got[0, :10], expected[0, :10], rtol=0, atol=0, equal_nan=True)
+    if dtype == torch.bfloat16:
+        assert same.float().mean() > 0.99
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-5, equal_nan=True)
+    else:  # a few ulps of 1 in the activation, times up
+        act_err = ((got - expected) / gu[:, 1408:]).abs()
+        assert act_err[~same].max() < 1e-6 and same.float().mean() > 0.8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 16, 300])
 def test_silu_mul_matches_pytorch(dtype, rows):
     """silu(gate) * up from the fused [rows, 2I] product (and a strided view of one): bf16 bit for bit (the same

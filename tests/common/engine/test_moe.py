@@ -154,8 +154,9 @@ def test_an_engine_over_a_moe_checkpoint_runs_packed_experts_and_fused_layers(ti
     """Qwen3-MoE: every MoE layer's experts packed, its attention, norms fused; greedy tokens are stock's."""
     config = transformers.Qwen3MoeConfig(vocab_size=4096, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
                                          num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                                         moe_intermediate_size=64, mlp_only_layers=[1], intermediate_size=256, max_position_embeddings=512,
-                                         bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+                                         moe_intermediate_size=64, mlp_only_layers=[1], intermediate_size=256,
+                                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                         pad_token_id=0)  # fmt: skip
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
     for f in Path(tiny_model_dir("llama")).iterdir():

@@ -1,0 +1,137 @@
+"""Decode speed of the engine across model families, each against a Llama of the same shape, in one run.
+
+Every family is a random-weight checkpoint of its own transformers classes at the shape of the 60M benchmark Llama
+(hidden 512, 8 layers, 8 heads of 64 over 4 KV heads, vocabulary 32,000; the tokenizer of build/llama-60m), built
+once under build/families/. MoE families hold the same active MLP width per token as the Llama's 1,408: Qwen3-MoE
+32 experts of 352, top 4 (Qwen3-30B-A3B's proportions); Mixtral 8 of 704, top 2. For each: which of the engine's
+fused modules its layers run, and decode tokens/s of 1 stream (128 new tokens) and 16 streams (64 each) after
+64-token prompts, the median of --rounds, the time after every stream has its first token. Families are
+measured in turn, the Llama first and last (its two figures show the drift of the machine over the run).
+
+  python benchmarks/families.py [--families llama,qwen3_moe,mixtral,gemma,phi3] [--dtype float32|bfloat16]
+      [--rounds 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from bench_models import BUILD, model_dir  # noqa: E402
+
+from common.engine.config import EngineConfig  # noqa: E402
+from common.engine.engine import LLMEngine  # noqa: E402
+from common.engine.loader import load_model  # noqa: E402
+from common.engine.sampling_params import SamplingParams  # noqa: E402
+
+SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+             pad_token_id=3)  # fmt: skip
+# name: (config class, causal-LM class, overrides of SHAPE)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=352, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=704)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(hidden_act="gelu_pytorch_tanh")),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+}
+FUSED = ("RopeAttention", "FusedGatedMLP", "FusedRMSNorm", "PackedExperts")
+
+
+def build(name: str) -> Path:
+    """The family's checkpoint under build/families/NAME, built once (weights ~N(0, 0.066), as build-tiny's)."""
+    out = BUILD / "families" / name
+    if (out / "model.safetensors").exists():
+        return out
+    config_cls, model_cls, overrides = FAMILIES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**SHAPE, **overrides}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.066)
+    model.save_pretrained(out)
+    tokenizer = Path(model_dir("", "60m"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(tokenizer / f, out / f)
+    return out
+
+
+def decode_rate(engine: LLMEngine, streams: int, new: int) -> float:
+    """Decode tokens/s of ``streams`` greedy requests after 64-token prompts, from when all have a first token."""
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    for i in range(streams):
+        engine.add_request([5 + (7 * i + j) % 300 for j in range(64)], params)
+    started: set[str] = set()
+    while len(started) < streams:
+        started |= {out.request_id for out in engine.step() if out.new_token_ids}
+    t0, tokens = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    return tokens / (time.perf_counter() - t0)
+
+
+def measure(name: str, dtype: str, rounds: int) -> dict:
+    engine = LLMEngine(load_model(str(build(name)), dtype=dtype), EngineConfig(max_num_seqs=64, max_model_len=1024))
+    kinds = collections.Counter(type(m).__name__ for m in engine.loaded.model.modules())
+    decode_rate(engine, 1, 8)  # warm-up
+    one = statistics.median(decode_rate(engine, 1, 128) for _ in range(rounds))
+    sixteen = statistics.median(decode_rate(engine, 16, 64) for _ in range(rounds))
+    return {"family": name, "fused": {k: kinds[k] for k in FUSED if kinds[k]}, "flat_forward":
+            engine.runner.flat is not None, "tok_s_1": round(one, 1), "tok_s_16": round(sixteen, 1)}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default="llama,qwen3_moe,mixtral,gemma,phi3",
+                    help=f"comma-separated, of {', '.join(FAMILIES)} (llama is always measured first and last)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    names = [n for n in args.families.split(",") if n and n != "llama"]
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        ap.error(f"unknown families: {', '.join(unknown)}")
+    torch.set_num_threads(args.threads)
+    logging.disable(logging.WARNING)
+    rows = [measure(n, args.dtype, args.rounds) for n in ["llama", *names, "llama"]]
+    base_1 = statistics.mean(r["tok_s_1"] for r in (rows[0], rows[-1]))
+    base_16 = statistics.mean(r["tok_s_16"] for r in (rows[0], rows[-1]))
+    for r in rows:
+        r["vs_llama_1"], r["vs_llama_16"] = round(r["tok_s_1"] / base_1, 2), round(r["tok_s_16"] / base_16, 2)
+    if args.json:
+        print(json.dumps({"machine": platform.processor() or platform.machine(), "dtype": args.dtype,
+                          "threads": args.threads, "rows": rows}, indent=2))  # fmt: skip
+        return 0
+    print(f"dtype {args.dtype}, {args.threads} threads; decode tok/s (x the Llama's, mean of its two runs)")
+    for r in rows:
+        fused = ", ".join(f"{k} {v}" for k, v in r["fused"].items()) or "none"
+        print(f"{r['family']:10s} 1 stream {r['tok_s_1']:7.1f} ({r['vs_llama_1']:.2f}x)  16 streams "
+              f"{r['tok_s_16']:7.1f} ({r['vs_llama_16']:.2f}x)  flat forward {'on' if r['flat_forward'] else 'off'};"
+              f" fused: {fused}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
