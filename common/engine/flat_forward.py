@@ -1,4 +1,5 @@
-"""A Llama, Qwen2, Qwen3 or Mistral model run by the engine as one loop over its layers, without the module tree.
+"""A Llama, Qwen2, Qwen3 or Mistral model (or a Qwen2/3-MoE, Mixtral one) run by the engine as one loop over its
+layers, without the module tree.
 
 Once :mod:`common.engine.cpu_linear` and :mod:`common.engine.fused_attention` have swapped in the engine's
 fused modules, a decoder layer is six operator calls (the q/k/v product, the rotary kernel, the paged attention,
@@ -11,9 +12,10 @@ norm's own kernel; after the last layer, only the kept rows are added), so its l
 model's own; the model runner checks that once on the first step that samples
 (:meth:`common.engine.model_runner.ModelRunner.run`) and keeps the model's forward if not.
 
-:meth:`FlatForward.of` accepts only the module layout it repeats: a ``LlamaForCausalLM`` (Qwen2, Mistral)
-whose every decoder layer holds :class:`~common.engine.cpu_linear.FusedRMSNorm` norms, a
-:class:`~common.engine.fused_attention.RopeAttention` and a :class:`~common.engine.cpu_linear.FusedGatedMLP`,
+:meth:`FlatForward.of` accepts only the module layout it repeats: a ``LlamaForCausalLM`` (Qwen2, Qwen3, Mistral,
+and the MoE families above) whose every decoder layer holds :class:`~common.engine.cpu_linear.FusedRMSNorm` norms,
+a :class:`~common.engine.fused_attention.RopeAttention` and a :class:`~common.engine.cpu_linear.FusedGatedMLP` (or
+a MoE block over :class:`~common.engine.moe.PackedExperts`),
 the engine's paged attention registered, no hooks, and no process group (tensor parallelism runs the model's
 own forward).
 """
@@ -25,6 +27,7 @@ import torch
 from common.engine.attention import ATTENTION_NAME, METADATA_KWARG, AttentionMetadata, paged_attention
 from common.engine.cpu_linear import FusedGatedMLP, FusedRMSNorm
 from common.engine.fused_attention import RopeAttention
+from common.engine.moe import PackedExperts
 
 # the causal-LM classes whose forward FlatForward repeats, with their inner model and decoder layer classes
 _LAYOUTS = {
@@ -32,7 +35,14 @@ _LAYOUTS = {
     "Qwen2ForCausalLM": ("Qwen2Model", "Qwen2DecoderLayer"),
     "Qwen3ForCausalLM": ("Qwen3Model", "Qwen3DecoderLayer"),
     "MistralForCausalLM": ("MistralModel", "MistralDecoderLayer"),
+    # MoE: the same layer, its MLP a sparse block over the engine's packed experts (common/engine/moe.py) where it
+    # is not a dense one
+    "Qwen3MoeForCausalLM": ("Qwen3MoeModel", "Qwen3MoeDecoderLayer"),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeModel", "Qwen2MoeDecoderLayer"),
+    "MixtralForCausalLM": ("MixtralModel", "MixtralDecoderLayer"),
 }
+# the MoE blocks of those families: routing, the experts and (Qwen2-MoE) the shared expert, one tensor out
+_MOE_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock"})
 
 
 class FlatForward:
@@ -71,7 +81,7 @@ class FlatForward:
             if type(layer).__name__ != names[1]:
                 return None
             if not (type(layer.input_layernorm) is FusedRMSNorm and type(layer.post_attention_layernorm) is FusedRMSNorm
-                    and type(layer.self_attn) is RopeAttention and type(layer.mlp) is FusedGatedMLP):  # fmt: skip
+                    and type(layer.self_attn) is RopeAttention and _fused_mlp(layer.mlp)):  # fmt: skip
                 return None
         return cls(model)
 
@@ -97,3 +107,13 @@ class FlatForward:
                 x, h = layers[i + 1][0].add_forward(x, m)
         # after the last layer only the kept rows are needed: added and normed alone (norms work per row)
         return self.lm_head.forward(self.norm.forward(x[:, logits_index, :] + m[:, logits_index, :]))
+
+
+def _fused_mlp(mlp: torch.nn.Module) -> bool:
+    """A FusedGatedMLP, or a MoE block of :data:`_MOE_BLOCKS` whose experts run packed (and whose shared expert,
+    if any, is a FusedGatedMLP)."""
+    if type(mlp) is FusedGatedMLP:
+        return True
+    shared = getattr(mlp, "shared_expert", None)
+    return (type(mlp).__name__ in _MOE_BLOCKS and type(getattr(mlp, "experts", None)) is PackedExperts
+            and (shared is None or type(shared) is FusedGatedMLP))  # fmt: skip

@@ -1,4 +1,4 @@
-"""The flat forward (one loop over a Llama/Qwen2/Mistral model's fused layers,
+"""The flat forward (one loop over a Llama/Qwen2/Qwen3/Mistral or Qwen2/3-MoE/Mixtral model's fused layers,
 :mod:`common.engine.flat_forward`): taken where the model has that layout, its logits the model's own bit for bit
 on mixed prefill/decode steps, stock ``generate``'s tokens; the model's own forward kept when the one check
 fails; a layer-streaming prefill streams each layer once; refused for hooked models and without the kernels."""
@@ -14,8 +14,24 @@ from common.engine.engine import LLMEngine
 from common.engine.flat_forward import FlatForward
 from common.engine.loader import load_model
 from common.engine.sampling_params import SamplingParams
+from tests.common.engine.moe_models import MOE_FAMILIES, build_moe
 from tests.common.engine.test_engine_oracle import GREEDY, make_prompts
 from tests.conftest import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory):
+    """``model_dir(arch, **overrides)``: build-tiny's model of that arch, or a MoE family's (moe_models.py)."""
+    built: dict[str, str] = {}
+
+    def get(arch: str, **overrides) -> str:
+        if arch not in MOE_FAMILIES:
+            return tiny_model_dir(arch, **overrides)
+        if arch not in built:
+            built[arch] = build_moe(arch, tmp_path_factory.mktemp(arch), tiny_model_dir("llama"))
+        return built[arch]
+
+    return get
 
 
 @pytest.fixture(autouse=True)
@@ -28,11 +44,11 @@ def engine_for(model_dir: str, **config) -> LLMEngine:
     return LLMEngine(load_model(model_dir), EngineConfig(prefix_caching=False, **config))
 
 
-def test_taken_where_the_layout_fits(tiny_model_dir):
-    for arch in ("llama", "qwen2", "qwen3", "mistral"):
-        assert engine_for(tiny_model_dir(arch)).runner.flat is not None, arch
-        assert engine_for(tiny_model_dir(arch), flat_forward=False).runner.flat is None
-        assert engine_for(tiny_model_dir(arch), cpu_kernels=False).runner.flat is None  # no RopeAttention
+def test_taken_where_the_layout_fits(model_dir, tiny_model_dir):
+    for arch in ("llama", "qwen2", "qwen3", "mistral", *MOE_FAMILIES):
+        assert engine_for(model_dir(arch)).runner.flat is not None, arch
+        assert engine_for(model_dir(arch), flat_forward=False).runner.flat is None
+        assert engine_for(model_dir(arch), cpu_kernels=False).runner.flat is None  # no RopeAttention
     hooked = load_model(tiny_model_dir("llama"))
     hooked.model.model.layers[1].register_forward_hook(lambda *args: None)
     assert LLMEngine(hooked, EngineConfig()).runner.flat is None  # a hook would be skipped
@@ -40,12 +56,14 @@ def test_taken_where_the_layout_fits(tiny_model_dir):
 
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen2", {"sliding_window": 24}),
                                             ("qwen3", {}), ("qwen3", {"sliding_window": 24}),
-                                            ("mistral", {"sliding_window": 24})],
-                         ids=["llama", "qwen2", "qwen2-window", "qwen3", "qwen3-window", "mistral-window"])  # fmt: skip
-def test_logits_equal_the_models_own_on_every_step(arch, overrides, tiny_model_dir, hf_reference):
+                                            ("mistral", {"sliding_window": 24}), ("qwen3_moe", {}), ("mixtral", {}),
+                                            ("qwen2_moe", {})],
+                         ids=["llama", "qwen2", "qwen2-window", "qwen3", "qwen3-window", "mistral-window", "qwen3_moe",
+                              "mixtral", "qwen2_moe"])  # fmt: skip
+def test_logits_equal_the_models_own_on_every_step(arch, overrides, model_dir, hf_reference):
     """Prompts arriving while others decode (steps of decode + prefill), every step's logits both ways (the
-    runner's one check made to run on every step)."""
-    d = tiny_model_dir(arch, **overrides)
+    runner's one check made to run on every step). MoE models: packed experts in the layers' sparse blocks."""
+    d = model_dir(arch, **overrides)
     engine = engine_for(d, max_num_batched_tokens=64)
     runner = engine.runner
     flat = runner.flat

@@ -9,9 +9,6 @@ what the kernel does not compute as transformers does keeps the model's own modu
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
@@ -29,6 +26,7 @@ from common.engine.loader import load_model
 from common.engine.module_match import same_forward
 from common.engine.moe import PackedExperts, _fitting, fuse_experts
 from common.engine.sampling_params import SamplingParams
+from tests.common.engine.moe_models import build_moe
 from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels unavailable")
@@ -152,16 +150,7 @@ def test_copies_of_the_reference_modules_are_recognized_by_their_forward():
 
 def test_an_engine_over_a_moe_checkpoint_runs_packed_experts_and_fused_layers(tiny_model_dir, tmp_path, hf_reference):
     """Qwen3-MoE: every MoE layer's experts packed, its attention, norms fused; greedy tokens are stock's."""
-    config = transformers.Qwen3MoeConfig(vocab_size=4096, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-                                         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                                         moe_intermediate_size=64, mlp_only_layers=[1], intermediate_size=256,
-                                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                                         pad_token_id=0)  # fmt: skip
-    torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
-    for f in Path(tiny_model_dir("llama")).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, tmp_path)
+    build_moe("qwen3_moe", tmp_path, tiny_model_dir("llama"))
     engine = LLMEngine(load_model(str(tmp_path)), EngineConfig(num_kv_blocks=64))
     model = engine.loaded.model
     layers = model.model.layers

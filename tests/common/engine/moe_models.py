@@ -1,0 +1,34 @@
+"""Small random MoE checkpoints of transformers' own classes for the engine's tests (the tiny Llama's tokenizer beside
+them): Qwen3-MoE with a dense layer between two MoE layers, Mixtral, Qwen2-MoE with its shared expert."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+
+_COMMON = dict(vocab_size=4096, hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+MOE_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                       mlp_only_layers=[1], intermediate_size=256)),  # fmt: skip
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                             intermediate_size=96)),  # fmt: skip
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=128)),  # fmt: skip
+}
+
+
+def build_moe(family: str, out: Path, tokenizer_dir: str) -> str:
+    """The family's checkpoint written to ``out``; returns its path."""
+    config_cls, model_cls, overrides = MOE_FAMILIES[family]
+    torch.manual_seed(0)
+    getattr(transformers, model_cls)(getattr(transformers, config_cls)(**_COMMON, **overrides)).save_pretrained(out)
+    for f in Path(tokenizer_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out)
+    return str(out)
