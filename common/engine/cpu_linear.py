@@ -50,8 +50,7 @@ _SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # RMSNorm classes computing weight * (x / sqrt(mean(x^2) + eps)) in fp32 (Gemma's 1 + weight is not one), and
 # every class whose forward repeats theirs (module_match.py: Qwen3-MoE's, Mixtral's, Granite's ...)
 _LLAMA_STYLE_NORMS = ("llama.LlamaRMSNorm", "qwen2.Qwen2RMSNorm", "qwen3.Qwen3RMSNorm", "mistral.MistralRMSNorm")
-# MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x)) (and their copies), and the SiLU activations
-# transformers gives them
+# MLPs computing down_proj(act_fn(gate_proj(x)) * up_proj(x)) (and their copies: Gemma's too)
 _GATED_MLPS = ("llama.LlamaMLP", "qwen2.Qwen2MLP", "qwen3.Qwen3MLP", "mistral.MistralMLP")
 # MLPs computing down_proj(up * act_fn(gate)) from one gate|up layer (gate columns first)
 _GATE_UP_MLPS = ("phi3.Phi3MLP",)
@@ -390,9 +389,10 @@ class FusedGatedMLP(torch.nn.Module):
 
 
 def fuse_gated_mlps(model: torch.nn.Module) -> int:
-    """Replace each gated SiLU MLP whose gate and up projections were fused (:func:`pack_linear_layers`, or one
-    layer in the checkpoint: Phi-3) by a :class:`FusedGatedMLP` whose output matches it on a random input; returns
-    how many. Needs the engine's CPU kernels (the caller checked that they loaded)."""
+    """Replace each gated MLP (SiLU or GeLU-tanh) whose gate and up projections were fused
+    (:func:`pack_linear_layers`, or one layer in the checkpoint: Phi-3) by a :class:`FusedGatedMLP` whose output
+    matches it on a random input; returns how many. Needs the engine's CPU kernels (the caller checked that they
+    loaded)."""
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -406,7 +406,8 @@ def fuse_gated_mlps(model: torch.nn.Module) -> int:
 
 
 def _gated_mlp(child: torch.nn.Module) -> FusedGatedMLP | None:
-    """``child`` as a :class:`FusedGatedMLP`, where it is a gated SiLU MLP over packed layers."""
+    """``child`` as a :class:`FusedGatedMLP`, where it is a gated MLP of an activation in :data:`_ACT_MUL` over
+    packed layers."""
     down = getattr(child, "down_proj", None)
     if down is None:
         return None
