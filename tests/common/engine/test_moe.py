@@ -13,8 +13,9 @@ import pytest
 import torch
 import transformers
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-from transformers.models.mixtral.modeling_mixtral import MixtralAttention, MixtralRMSNorm
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeRMSNorm
+from transformers.models.mixtral.modeling_mixtral import MixtralAttention, MixtralRMSNorm, MixtralTopKRouter
+from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeRMSNorm, Qwen3MoeTopKRouter
 
 from common.engine import cpu_kernels
 from common.engine.config import EngineConfig
@@ -24,7 +25,7 @@ from common.engine.fused_attention import _REFERENCES as ATTENTIONS
 from common.engine.fused_attention import RopeAttention
 from common.engine.loader import load_model
 from common.engine.module_match import same_forward
-from common.engine.moe import PackedExperts, _fitting, fuse_experts
+from common.engine.moe import PackedExperts, PackedRouter, _fitting, _router_kind, fuse_experts
 from common.engine.sampling_params import SamplingParams
 from tests.common.engine.moe_models import build_moe
 from tests.conftest import hf_greedy
@@ -135,6 +136,43 @@ def test_a_packing_that_differs_keeps_the_module(caplog, monkeypatch):
     assert fuse_experts(parent) == 1 and isinstance(parent.experts, PackedExperts)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls,config", [
+    (Qwen3MoeTopKRouter, transformers.Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=2)),
+    (Qwen3MoeTopKRouter, transformers.Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=2,
+                                                     norm_topk_prob=False)),
+    (OlmoeTopKRouter, transformers.OlmoeConfig(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=2)),
+    (MixtralTopKRouter, transformers.MixtralConfig(hidden_size=HIDDEN, num_local_experts=EXPERTS,
+                                                   num_experts_per_tok=2)),
+], ids=["qwen3_moe", "qwen3_moe-unnormed", "olmoe-copy", "mixtral"])  # fmt: skip
+def test_packed_routers_pick_what_the_model_picks(cls, config, dtype):
+    """The logits from a packed layer, then the reference's own steps: the same experts, the same weights (in the
+    reference's dtype: Mixtral's stay fp32), for tokens in a batch."""
+    router = cls(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(4)))
+    router = router.to(dtype)
+    kind = _router_kind(router)
+    assert kind == ("MixtralTopKRouter" if cls is MixtralTopKRouter else "Qwen3MoeTopKRouter")
+    packed = PackedRouter(router, kind)
+    x = torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(5)).to(dtype)
+    with torch.inference_mode():
+        got, want = packed(x), router(x)
+    assert torch.equal(got[2], want[2])
+    for g, w in zip(got[:2], want[:2]):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g.float(), w.float(), rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5)
+
+
+def test_a_router_of_its_own_keeps_the_model_module():
+    class Jittered(Qwen3MoeTopKRouter):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states * 1.01)
+
+    config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=2)
+    assert _router_kind(Jittered(config)) is None and _router_kind(Qwen3MoeTopKRouter(config)) is not None
+
+
 def test_copies_of_the_reference_modules_are_recognized_by_their_forward():
     assert same_forward(Qwen3MoeRMSNorm, _LLAMA_STYLE_NORMS) == "LlamaRMSNorm"
     assert same_forward(MixtralRMSNorm, _LLAMA_STYLE_NORMS) == "LlamaRMSNorm"
@@ -149,13 +187,15 @@ def test_copies_of_the_reference_modules_are_recognized_by_their_forward():
 
 
 def test_an_engine_over_a_moe_checkpoint_runs_packed_experts_and_fused_layers(tiny_model_dir, tmp_path, hf_reference):
-    """Qwen3-MoE: every MoE layer's experts packed, its attention, norms fused; greedy tokens are stock's."""
+    """Qwen3-MoE: every MoE layer's experts and router packed, its attention, norms fused; greedy tokens are
+    stock's."""
     build_moe("qwen3_moe", tmp_path, tiny_model_dir("llama"))
     engine = LLMEngine(load_model(str(tmp_path)), EngineConfig(num_kv_blocks=64))
     model = engine.loaded.model
     layers = model.model.layers
     assert [type(layer.mlp.experts).__name__ if hasattr(layer.mlp, "experts") else "dense" for layer in layers] == \
         ["PackedExperts", "dense", "PackedExperts"]  # fmt: skip
+    assert [type(layer.mlp.gate).__name__ for layer in layers if hasattr(layer.mlp, "experts")] == ["PackedRouter"] * 2
     assert all(isinstance(layer.self_attn, RopeAttention) for layer in layers)
     assert not any(type(m).__name__ == "Qwen3MoeRMSNorm" for m in model.modules())
     g = torch.Generator().manual_seed(5)
