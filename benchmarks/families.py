@@ -54,7 +54,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
 }
-FUSED = ("RopeAttention", "FusedGatedMLP", "FusedRMSNorm", "FusedScaledRMSNorm", "PackedExperts")
+FUSED = ("RopeAttention", "FusedGatedMLP", "FusedRMSNorm", "FusedScaledRMSNorm", "PackedExperts", "PackedRouter")
 
 
 def build(name: str) -> Path:
