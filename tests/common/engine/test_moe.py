@@ -138,13 +138,14 @@ def test_a_packing_that_differs_keeps_the_module(caplog, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cls,config", [
-    (Qwen3MoeTopKRouter, transformers.Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=2)),
+    (Qwen3MoeTopKRouter, transformers.Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=2,
+                                                     norm_topk_prob=True)),
     (Qwen3MoeTopKRouter, transformers.Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=2,
                                                      norm_topk_prob=False)),
     (OlmoeTopKRouter, transformers.OlmoeConfig(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=2)),
     (MixtralTopKRouter, transformers.MixtralConfig(hidden_size=HIDDEN, num_local_experts=EXPERTS,
                                                    num_experts_per_tok=2)),
-], ids=["qwen3_moe", "qwen3_moe-unnormed", "olmoe-copy", "mixtral"])  # fmt: skip
+], ids=["qwen3_moe-normed", "qwen3_moe", "olmoe-copy", "mixtral"])  # fmt: skip
 def test_packed_routers_pick_what_the_model_picks(cls, config, dtype):
     """The logits from a packed layer, then the reference's own steps: the same experts, the same weights (in the
     reference's dtype: Mixtral's stay fp32), for tokens in a batch."""
