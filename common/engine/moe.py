@@ -90,8 +90,9 @@ def fuse_experts(model: torch.nn.Module, prefill: bool = False) -> int:
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if _router_kind(child) is not None:
-                router = PackedRouter(child, _router_kind(child), prefill)
+            kind = _router_kind(child)
+            if kind is not None:
+                router = PackedRouter(child, kind, prefill)
                 if _same_routing(router, child):
                     setattr(parent, name, router)
                     done += 1

@@ -30,17 +30,16 @@ namespace {
 using Linear4 = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t);
 using Linear5 = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t);
 
-// rows [m, K] times one expert's packed weight -> [m, n], by the kernel of `layout`
+// rows [m, K] times one expert's packed weight -> [m, n], by the kernel of `layout` (fp32_blocks, bf16_pairs or
+// bf16_amx)
 struct ExpertLinear {
   explicit ExpertLinear(const std::string& layout) : fp32(layout == "fp32_blocks") {
     auto& dispatcher = c10::Dispatcher::singleton();
     if (fp32)
       f5 = dispatcher.findSchemaOrThrow("pdserve::fp32_linear", "").typed<Linear5>();
-    else if (layout == "bf16_pairs" || layout == "bf16_amx")
+    else
       f4 = dispatcher.findSchemaOrThrow(layout == "bf16_pairs" ? "pdserve::bf16_linear" : "pdserve::bf16_linear_amx", "")
                .typed<Linear4>();
-    else
-      TORCH_CHECK(false, "pdserve::moe_experts: layout must be fp32_blocks, bf16_pairs or bf16_amx, got ", layout);
   }
   at::Tensor operator()(const at::Tensor& rows, const at::Tensor& packed, int64_t n) const {
     return fp32 ? f5->call(rows, packed, std::nullopt, n, 0) : f4->call(rows, packed, std::nullopt, n);
@@ -96,11 +95,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
               weights.scalar_type());
   TORCH_CHECK(x.device().is_cpu() && gate_up.size(0) == down.size(0) && gate_up.is_contiguous() && down.is_contiguous(),
               "pdserve::moe_experts takes CPU tensors and contiguous stacks of packed weights, one per expert");
-  static const ExpertLinear fp32_linear("fp32_blocks"), bf16_linear("bf16_pairs"), bf16_amx("bf16_amx");
   const std::string name(layout);
-  const ExpertLinear& linear = name == "fp32_blocks" ? fp32_linear : name == "bf16_pairs" ? bf16_linear : bf16_amx;
   TORCH_CHECK(name == "fp32_blocks" || name == "bf16_pairs" || name == "bf16_amx",
-              "pdserve::moe_experts: unknown layout ", name);
+              "pdserve::moe_experts: layout must be fp32_blocks, bf16_pairs or bf16_amx, got ", name);
+  static const ExpertLinear fp32_linear("fp32_blocks"), bf16_linear("bf16_pairs"), bf16_amx("bf16_amx");
+  const ExpertLinear& linear = name == "fp32_blocks" ? fp32_linear : name == "bf16_pairs" ? bf16_linear : bf16_amx;
   const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1), experts = gate_up.size(0);
   const at::Tensor id = ids.to(at::kLong).contiguous();
   const int64_t* e_of = id.data_ptr<int64_t>();
@@ -113,16 +112,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     ++start[e_of[p] + 1];
   }
   for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
-  at::Tensor order = at::empty({pairs}, id.options()), token = at::empty({pairs}, id.options());
+  std::vector<int64_t> order(pairs);
   {
     std::vector<int64_t> next(start.begin(), start.end() - 1);
-    int64_t* o = order.data_ptr<int64_t>();
-    int64_t* t = token.data_ptr<int64_t>();
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t at_ = next[e_of[p]]++;
-      o[at_] = p;
-      t[at_] = p / k;
-    }
+    for (int64_t p = 0; p < pairs; ++p) order[next[e_of[p]]++] = p;
   }
   const at::Tensor rows_all = x.contiguous();
   const at::Tensor flat_weights = weights.reshape({pairs}).contiguous();
@@ -133,18 +126,16 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                                    .findSchemaOrThrow("pdserve::silu_mul", "")
                                    .typed<at::Tensor(const at::Tensor&)>();
   const int64_t row_bytes = hidden * x.element_size();
-  const int64_t* o = order.data_ptr<int64_t>();
-  const int64_t* t = token.data_ptr<int64_t>();
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t m = start[e + 1] - start[e];
     if (m == 0) continue;
     at::Tensor rows = at::empty({m, hidden}, x.options());
     for (int64_t r = 0; r < m; ++r)
       std::memcpy(static_cast<char*>(rows.data_ptr()) + r * row_bytes,
-                  static_cast<const char*>(rows_all.data_ptr()) + t[start[e] + r] * row_bytes, row_bytes);
+                  static_cast<const char*>(rows_all.data_ptr()) + order[start[e] + r] / k * row_bytes, row_bytes);
     const at::Tensor act = silu_mul.call(linear(rows, gate_up[e], 2 * inter));
     const at::Tensor out = linear(act, down[e], hidden);
-    weigh(out, flat_weights, o + start[e], slots);
+    weigh(out, flat_weights, order.data() + start[e], slots);
   }
   return slots.view({tokens, k, hidden}).sum(1).to(x.scalar_type());
 }

@@ -1,5 +1,6 @@
-// Llama-style RMSNorm of each row in one pass (rms_norm_scaled: Gemma's, below): y = w * to_dtype(x * rsqrt(mean(x^2) + eps)), computed in
-// float as transformers' LlamaRMSNorm does (the normalised row rounded to the input dtype before the weight).
+// Llama-style RMSNorm of each row in one pass: y = w * to_dtype(x * rsqrt(mean(x^2) + eps)), computed in float as
+// transformers' LlamaRMSNorm does (the normalised row rounded to the input dtype before the weight);
+// rms_norm_scaled: Gemma's, below.
 // PyTorch runs that as six to eight small ops (~35-50 us a call at one row on 2 cores); a decode step of a
 // 24-layer model calls it 49 times.
 //
@@ -26,14 +27,19 @@ using pdserve::to_float;
 // One row. Not inlined, so that both operators run this very code: the vectorized sum of squares adds in one
 // order, and the fused operator's output is bit for bit rms_norm's of the same sum.
 template <typename T>
-__attribute__((noinline)) void rms_row(const T* xr, const T* w, T* yr, int64_t n, float eps) {
+inline float inv_rms(const T* xr, int64_t n, float eps) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
     const float v = to_float(xr[i]);
     sum += v * v;
   }
-  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+template <typename T>
+__attribute__((noinline)) void rms_row(const T* xr, const T* w, T* yr, int64_t n, float eps) {
+  const float inv = inv_rms(xr, n, eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const T normed = round_to<T>(to_float(xr[i]) * inv);  // the rounding transformers does
@@ -44,16 +50,16 @@ __attribute__((noinline)) void rms_row(const T* xr, const T* w, T* yr, int64_t n
 // Gemma's RMSNorm: y = to_dtype(x * rsqrt(mean(x^2) + eps) * scale), all in float and rounded once (scale = 1 +
 // weight, in float), as transformers' GemmaRMSNorm computes it.
 template <typename T>
-__attribute__((noinline)) void scaled_row(const T* xr, const float* scale, T* yr, int64_t n, float eps) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = to_float(xr[i]);
-    sum += v * v;
-  }
-  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+void scaled_rows(const T* x, const float* scale, T* y, int64_t rows, int64_t n, int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      T* yr = y + r * n;
+      const float inv = inv_rms(xr, n, eps);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) yr[i] = round_to<T>(to_float(xr[i]) * inv * scale[i]);
+      for (int64_t i = 0; i < n; ++i) yr[i] = round_to<T>(to_float(xr[i]) * inv * scale[i]);
+    }
+  });
 }
 
 template <typename T>
@@ -108,24 +114,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 at::Tensor rms_norm_scaled(const at::Tensor& x, const at::Tensor& scale, double eps) {
   TORCH_CHECK(x.device().is_cpu() && scale.device().is_cpu() && scale.scalar_type() == at::kFloat &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "pdserve::rms_norm_scaled takes a float32 or bfloat16 x and a float32 scale on the CPU");
+              "pdserve::rms_norm_scaled takes a float32 or bfloat16 x and a float32 scale on the CPU, got x ",
+              x.scalar_type(), " on ", x.device(), " and scale ", scale.scalar_type(), " on ", scale.device());
   TORCH_CHECK(scale.dim() == 1 && scale.is_contiguous() && x.dim() >= 1 && x.size(-1) == scale.numel(),
-              "scale must be a contiguous [N] tensor and x [..., N]");
+              "scale must be a contiguous [N] tensor and x [..., N], got scale ", scale.sizes(), " and x ", x.sizes());
   const int64_t n = scale.numel();
   at::Tensor rows = x.reshape({-1, n});
   if (rows.stride(1) != 1) rows = rows.contiguous();
   at::Tensor out = at::empty({rows.size(0), n}, x.options());
   const float feps = static_cast<float>(eps);
-  const float* sc = scale.data_ptr<float>();
-  at::parallel_for(0, rows.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      if (x.scalar_type() == at::kFloat)
-        scaled_row(rows.data_ptr<float>() + r * rows.stride(0), sc, out.data_ptr<float>() + r * n, n, feps);
-      else
-        scaled_row(rows.data_ptr<c10::BFloat16>() + r * rows.stride(0), sc, out.data_ptr<c10::BFloat16>() + r * n, n,
-                   feps);
-    }
-  });
+  if (x.scalar_type() == at::kFloat)
+    scaled_rows(rows.data_ptr<float>(), scale.data_ptr<float>(), out.data_ptr<float>(), rows.size(0), n,
+                rows.stride(0), feps);
+  else
+    scaled_rows(rows.data_ptr<c10::BFloat16>(), scale.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), rows.size(0),
+                n, rows.stride(0), feps);
   return out.view(x.sizes());
 }
 
