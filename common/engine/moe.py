@@ -86,7 +86,8 @@ def fuse_experts(model: torch.nn.Module, prefill: bool = False) -> int:
     """Replace each fitting experts module of ``model`` (see the module doc) by a :class:`PackedExperts`, and each
     router of :data:`_ROUTERS` (or a copy) by a :class:`PackedRouter`, whose output matches it on random tokens
     and routing; returns how many. Needs the engine's CPU kernels (the caller checked that they loaded).
-    ``prefill``: the weight layouts of a prefill worker (as for the linear layers)."""
+    ``prefill``: the routers' layout of a prefill worker (as for the linear layers); its experts are packed as a
+    decode engine's (see :func:`_fitting`)."""
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -99,7 +100,7 @@ def fuse_experts(model: torch.nn.Module, prefill: bool = False) -> int:
                 else:
                     log.warning("keeping %s for %s: the packed router differs", type(child).__name__, name)
                 continue
-            layout = _fitting(child, prefill)
+            layout = _fitting(child)
             if layout is None:
                 continue
             packed = PackedExperts(child, layout)
@@ -135,9 +136,11 @@ def _same_routing(router: PackedRouter, module: torch.nn.Module) -> bool:
     return all(torch.allclose(g.float(), w.float(), rtol=tol, atol=tol) for g, w in zip(got[:2], want[:2]))
 
 
-def _fitting(module: torch.nn.Module, prefill: bool) -> str | None:
+def _fitting(module: torch.nn.Module) -> str | None:
     """The packed layout for ``module``'s experts, or None where transformers' default arithmetic does not cover
-    it or the engine's kernels do not take its weights."""
+    it or the engine's kernels do not take its weights. A prefill worker's experts take this layout too: oneDNN's,
+    which its linear layers take on AMX CPUs, is no layout of ``moe_experts``, and the model's own experts ran a
+    1,024-token Qwen3-MoE prefill (bf16, 2-core Xeon with AMX) in 160 ms against 107 ms on AMX tiles."""
     from transformers.integrations.moe import _default_apply_gate
 
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
@@ -154,8 +157,8 @@ def _fitting(module: torch.nn.Module, prefill: bool) -> str | None:
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] or gate_up.shape[1] % 2 \
             or down.shape[1:] != (gate_up.shape[2], gate_up.shape[1] // 2):  # fmt: skip
         return None
-    layout = _own_layout(gate_up[0], prefill)
-    if layout not in _LAYOUTS or _own_layout(down[0], prefill) != layout:
+    layout = _own_layout(gate_up[0])
+    if layout not in _LAYOUTS or _own_layout(down[0]) != layout:
         return None
     return layout
 

@@ -33,10 +33,12 @@ from tests.conftest import hf_greedy
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels unavailable")
 
 HIDDEN, INTER, EXPERTS, TOP_K = 96, 80, 6, 2
+# an intermediate size AMX tiles take (a multiple of 32: else bf16 experts keep the model's module on AMX CPUs)
+AMX_INTER = 64
 
 
-def experts(dtype: torch.dtype, seed: int = 0) -> Qwen3MoeExperts:
-    config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
+def experts(dtype: torch.dtype, seed: int = 0, inter: int = INTER) -> Qwen3MoeExperts:
+    config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=inter, num_experts=EXPERTS,
                                          num_experts_per_tok=TOP_K)  # fmt: skip
     module = Qwen3MoeExperts(config)
     g = torch.Generator().manual_seed(seed)
@@ -55,18 +57,19 @@ def routing(tokens: int, dtype: torch.dtype, seed: int = 1):
     return x, index, weights
 
 
-def layout(dtype: torch.dtype) -> str:
-    found = _fitting(experts(dtype), prefill=False)
+def layout(dtype: torch.dtype, inter: int = INTER) -> str:
+    found = _fitting(experts(dtype, inter=inter))
     if found is None:
-        pytest.skip(f"no engine linear kernel takes {dtype} weights on this CPU")
+        pytest.skip(f"no engine linear kernel takes {dtype} weights of {inter} features on this CPU")
     return found
 
 
+@pytest.mark.parametrize("inter", [INTER, AMX_INTER])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [0, 1, 3, 16, 67])
-def test_packed_experts_give_transformers_output(dtype, tokens):
-    module = experts(dtype)
-    packed = PackedExperts(module, layout(dtype))
+def test_packed_experts_give_transformers_output(dtype, tokens, inter):
+    module = experts(dtype, inter=inter)
+    packed = PackedExperts(module, layout(dtype, inter))
     x, index, weights = routing(tokens, dtype)
     with torch.inference_mode():
         got, want = packed(x, index, weights), module(x, index, weights)
@@ -74,7 +77,7 @@ def test_packed_experts_give_transformers_output(dtype, tokens):
     if dtype == torch.float32 or tokens == 0:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     else:  # one bf16 rounding of each product apart at most: stock's own error against fp32 bounds it
-        exact = experts(torch.float32)(x.float(), index, weights.float())
+        exact = experts(torch.float32, inter=inter)(x.float(), index, weights.float())
         assert (got.float() - exact).abs().max() <= 2 * (want.float() - exact).abs().max() + 1e-3
 
 
@@ -115,11 +118,11 @@ def test_experts_with_their_own_arithmetic_keep_the_model_module():
             return self.act_fn(gate.clamp(max=7.0)) * up
 
     custom = ClampedGate(module.config)
-    assert _fitting(custom, prefill=False) is None
+    assert _fitting(custom) is None
     module.has_bias = True
-    assert _fitting(module, prefill=False) is None
+    assert _fitting(module) is None
     module.has_bias, module.is_transposed = False, True
-    assert _fitting(module, prefill=False) is None
+    assert _fitting(module) is None
 
 
 def test_a_packing_that_differs_keeps_the_module(caplog, monkeypatch):
@@ -206,3 +209,19 @@ def test_an_engine_over_a_moe_checkpoint_runs_packed_experts_and_fused_layers(ti
     reference = hf_reference(str(tmp_path))
     for prompt, result in zip(batch, results):
         assert result.token_ids == hf_greedy(reference, prompt, greedy.max_new_tokens)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_worker_packs_its_experts_as_a_decode_engine_does(dtype, tiny_model_dir, tmp_path):
+    """A prefill worker (``weight_layout="prefill"``: oneDNN's layout for its bf16 linear layers on AMX CPUs) runs
+    its experts on the engine's kernel in a decode engine's layout, not the model's own module."""
+    build_moe("qwen3_moe", tmp_path, tiny_model_dir("llama"))
+    found = []
+    for weight_layout in ("decode", "prefill"):
+        engine = LLMEngine(load_model(str(tmp_path), dtype=dtype),
+                           EngineConfig(num_kv_blocks=64, weight_layout=weight_layout))  # fmt: skip
+        found.append([getattr(layer.mlp.experts, "layout", type(layer.mlp.experts).__name__)
+                      for layer in engine.loaded.model.model.layers if hasattr(layer.mlp, "experts")])  # fmt: skip
+    if found[0] == ["Qwen3MoeExperts"] * 2:
+        pytest.skip(f"no engine linear kernel takes {dtype} weights on this CPU")
+    assert found[1] == found[0] and found[0][0] in ("fp32_blocks", "bf16_pairs", "bf16_amx")
