@@ -19,6 +19,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "parallel.h"
+
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -26,6 +28,9 @@
 #include <vector>
 
 namespace {
+
+// mean rows an expert up to which its products run whole on one thread (see moe_experts)
+constexpr int64_t WHOLE_EXPERTS_ROWS = 16;
 
 using Linear4 = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t);
 using Linear5 = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t);
@@ -126,9 +131,12 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                                    .findSchemaOrThrow("pdserve::silu_mul", "")
                                    .typed<at::Tensor(const at::Tensor&)>();
   const int64_t row_bytes = hidden * x.element_size();
-  for (int64_t e = 0; e < experts; ++e) {
+  std::vector<int64_t> hit;  // the experts some pair chose
+  for (int64_t e = 0; e < experts; ++e)
+    if (start[e + 1] > start[e]) hit.push_back(e);
+  // expert e's rows through gate|up, silu_mul and down, weighed into its pairs' slots (no other expert's)
+  const auto run = [&](int64_t e) {
     const int64_t m = start[e + 1] - start[e];
-    if (m == 0) continue;
     at::Tensor rows = at::empty({m, hidden}, x.options());
     for (int64_t r = 0; r < m; ++r)
       std::memcpy(static_cast<char*>(rows.data_ptr()) + r * row_bytes,
@@ -136,6 +144,22 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     const at::Tensor act = silu_mul.call(linear(rows, gate_up[e], 2 * inter));
     const at::Tensor out = linear(act, down[e], hidden);
     weigh(out, flat_weights, order.data() + start[e], slots);
+  };
+  const int64_t n_hit = static_cast<int64_t>(hit.size());
+  const int64_t threads = at::get_num_threads();
+  if (threads > 1 && n_hit >= 2 * threads && pairs <= WHOLE_EXPERTS_ROWS * n_hit) {
+    // Decode-sized batches (at most WHOLE_EXPERTS_ROWS rows an expert on average, two experts a thread at least):
+    // whole experts a thread, claimed as they come; each expert's products run on the thread that claimed it (the
+    // kernels run inline inside a parallel region, parallel.h), where every product split over the threads is a
+    // parallel region of its own, 64 a step for a one-stream Qwen3-MoE. Each output is computed by the same code
+    // either way: the results do not change. Decode on a 2-core Xeon with AMX, one process alternating: Qwen3-MoE
+    // (32 experts of 352, top 4) bf16 1.08x at one stream, 1.15x at 16; fp32 1.04x and 1.12x; Mixtral (8 of 704,
+    // top 2) 1.07x and 1.04x at 16 streams, 0.93x at one stream with one expert a thread (so: two at least).
+    pdserve::parallel_claim(n_hit, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) run(hit[i]);
+    });
+  } else {
+    for (const int64_t e : hit) run(e);
   }
   return slots.view({tokens, k, hidden}).sum(1).to(x.scalar_type());
 }

@@ -225,3 +225,25 @@ def test_a_prefill_worker_packs_its_experts_as_a_decode_engine_does(dtype, tiny_
     if found[0] == ["Qwen3MoeExperts"] * 2:
         pytest.skip(f"no engine linear kernel takes {dtype} weights on this CPU")
     assert found[1] == found[0] and found[0][0] in ("fp32_blocks", "bf16_pairs", "bf16_amx")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [3, 16, 67])
+def test_whole_experts_a_thread_give_the_same_output(dtype, tokens, monkeypatch):
+    """Decode-sized batches run whole experts a thread (``moe_experts``); larger ones split each product over the
+    threads. Either way each output comes from the same code: the same bits as on one thread."""
+    module = experts(dtype, inter=AMX_INTER)
+    packed = PackedExperts(module, layout(dtype, AMX_INTER))
+    x, index, weights = routing(tokens, dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            alone = packed(x, index, weights)
+        torch.set_num_threads(2)
+        with torch.inference_mode():
+            shared = packed(x, index, weights)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, shared)
+    torch.testing.assert_close(shared.float(), module(x, index, weights).float(), rtol=2e-2, atol=2e-2)
