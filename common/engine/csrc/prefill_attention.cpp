@@ -498,13 +498,12 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
     };
     // stage 3: O^T += V^T . P^T of the chunk at k0 (its P^T in pt[buf])
     const auto values = [&](int64_t k0, int buf) {
-      const int64_t keys = 16 * tiles_at(k0);
+      static_assert(KC == 32, "a chunk's P^T is one tile");
+      const c10::BFloat16* v = vt + k0 * dim;  // the chunk's V^T: [dim][KC]
+      _tile_loadd(7, pt[buf][0], 64);
       if (high == 0) {
         // tiles 4 and 5 are free (the scores were stored): V^T's tiles go through 6, 4 and 5, so a load does not
         // wait for the product before it to have read its operand (alone, these products took 0.9x the time)
-        static_assert(KC == 32, "a chunk's P^T is one tile");
-        const c10::BFloat16* v = vt + k0 * dim;  // the chunk's V^T: [dim][KC]
-        _tile_loadd(7, pt[buf][0], 64);
         _tile_loadd(6, v, KC * 2);
         _tile_loadd(4, v + 16 * KC, KC * 2);
         if (d16 > 2) _tile_loadd(5, v + 32 * KC, KC * 2);
@@ -518,31 +517,21 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
         empty = false;
         return;
       }
-      for (int64_t half = 0; half < (keys + 31) / 32; ++half) {
-        _tile_loadd(7, pt[buf][half], 64);
-        const c10::BFloat16* v = vt + k0 * dim + 32 * half;  // the chunk's V^T: [dim][KC]
-        _tile_loadd(6, v, KC * 2);
-        _tile_dpbf16ps(0, 6, 7);
-        _tile_loadd(6, v + 16 * KC, KC * 2);
-        _tile_dpbf16ps(1, 6, 7);
-        if (d16 > 2) {
-          _tile_loadd(6, v + 32 * KC, KC * 2);
-          _tile_dpbf16ps(2, 6, 7);
-          _tile_loadd(6, v + 48 * KC, KC * 2);
-          _tile_dpbf16ps(3, 6, 7);
-        }
-      }
+      _tile_loadd(6, v, KC * 2);
+      _tile_dpbf16ps(0, 6, 7);
+      _tile_loadd(6, v + 16 * KC, KC * 2);
+      _tile_dpbf16ps(1, 6, 7);
+      _tile_loadd(6, v + 32 * KC, KC * 2);  // past 64 dims: d16 > 4
+      _tile_dpbf16ps(2, 6, 7);
+      _tile_loadd(6, v + 48 * KC, KC * 2);
+      _tile_dpbf16ps(3, 6, 7);
       for (int64_t d = 64; d < dim; d += 32) {  // dims past 64, two tiles at a time through tiles 4 and 5
         _tile_loadd(4, obuf[d], 64);
         _tile_loadd(5, obuf[d + 16], 64);
-        for (int64_t half = 0; half < (keys + 31) / 32; ++half) {
-          const c10::BFloat16* v = vt + k0 * dim + 32 * half + d * KC;
-          _tile_loadd(7, pt[buf][half], 64);
-          _tile_loadd(6, v, KC * 2);
-          _tile_dpbf16ps(4, 6, 7);
-          _tile_loadd(6, v + 16 * KC, KC * 2);
-          _tile_dpbf16ps(5, 6, 7);
-        }
+        _tile_loadd(6, v + d * KC, KC * 2);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(6, v + (d + 16) * KC, KC * 2);
+        _tile_dpbf16ps(5, 6, 7);
         _tile_stored(4, obuf[d], 64);
         _tile_stored(5, obuf[d + 16], 64);
       }

@@ -229,7 +229,7 @@ def test_a_prefill_worker_packs_its_experts_as_a_decode_engine_does(dtype, tiny_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [3, 16, 67])
-def test_whole_experts_a_thread_give_the_same_output(dtype, tokens, monkeypatch):
+def test_whole_experts_a_thread_give_the_same_output(dtype, tokens):
     """Decode-sized batches run whole experts a thread (``moe_experts``); larger ones split each product over the
     threads. Either way each output comes from the same code: the same bits as on one thread."""
     module = experts(dtype, inter=AMX_INTER)
