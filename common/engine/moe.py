@@ -13,6 +13,11 @@ the engine's linear kernel over its packed weight, with transformers' roundings.
 gate and up, not transposed, no biases, a SiLU gate, no norm after the experts, no expert parallelism: Qwen2/3-MoE,
 Mixtral, OLMoE, GLM-4-MoE, ERNIE 4.5 MoE and their kin; GPT-OSS's clamped gate and biases keep the model's own)
 and its output matches the module's own on random tokens and routing.
+
+:class:`Int8Experts`: such a module's experts quantized to int8 as ``--quantization int8-weight-only`` quantizes a
+linear layer (torchao's ``Int8WeightOnlyConfig``: one symmetric scale per output feature of each expert), computed
+as torchao computes such a layer; :func:`quantize_experts` swaps it in (common/engine/quantization.py), and
+:class:`PackedExperts` takes its int8 values into the kernels' layouts, which the linear kernels widen as they load.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 
 import torch
 
-from common.engine.cpu_linear import PackedLinear, _own_layout, packing_supported
+from common.engine.cpu_linear import PackedLinear, _int8_blocks, _int8_pairs, _own_layout, packing_supported
 from common.engine.module_match import same_forward
 
 log = logging.getLogger(__name__)
@@ -32,15 +37,82 @@ _ROUTERS = ("qwen3_moe.Qwen3MoeTopKRouter", "mixtral.MixtralTopKRouter")
 _PACK = {"fp32_blocks": "pack_fp32_blocks", "bf16_pairs": "pack_bf16_pairs", "bf16_amx": "pack_bf16_pairs"}
 
 
+class Int8Experts(torch.nn.Module):
+    """An experts module of transformers' default arithmetic (see the module doc) with each expert's weights int8,
+    one symmetric scale per output feature, as torchao's ``Int8WeightOnlyConfig`` quantizes a linear layer; each
+    product computed as torchao computes one (the activations times the int8 values cast to their dtype, then times
+    the scales), the rest op for op transformers' eager experts loop. The engine's kernels run it through
+    :class:`PackedExperts`; this forward runs where they do not, and is their reference."""
+
+    def __init__(self, experts: torch.nn.Module) -> None:
+        super().__init__()
+        from torchao.quantization import Int8WeightOnlyConfig
+        from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+
+        granularity = Int8WeightOnlyConfig(set_inductor_config=False).granularity
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        self.dtype = gate_up.dtype
+        self.num_experts, two_inter, self.hidden = gate_up.shape
+        self.inter = two_inter // 2
+        self.act_fn = experts.act_fn
+        for name, weight in (("gate_up", gate_up), ("down", down)):
+            # the experts' rows one after another: a scale per row is a scale per expert and output feature
+            q = Int8Tensor.from_hp(weight.reshape(-1, weight.shape[2]), granularity)
+            self.register_buffer(name, q.qdata.reshape(weight.shape).contiguous())
+            self.register_buffer(f"{name}_scale", q.scale.reshape(weight.shape[:2]).to(self.dtype).contiguous())
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        out = torch.zeros_like(hidden_states)
+        for e in top_k_index.unique().tolist():
+            token_idx, top_k_pos = torch.where(top_k_index == e)
+            rows = hidden_states[token_idx]
+            gate, up = (torch.mm(rows, self.gate_up[e].t().to(rows.dtype)) * self.gate_up_scale[e]).chunk(2, dim=-1)
+            act = self.act_fn(gate) * up
+            y = torch.mm(act, self.down[e].t().to(act.dtype)) * self.down_scale[e]
+            y = y * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, int8"
+
+
+def quantize_experts(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """Replace each experts module of ``model`` that transformers' default arithmetic covers (see the module doc)
+    by an :class:`Int8Experts`; returns the qualified names of those replaced and of the experts modules kept in
+    full precision (their own arithmetic: GPT-OSS's)."""
+    done, kept = [], []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            qualified = f"{parent_name}.{name}" if parent_name else name
+            if isinstance(child, Int8Experts) or not _has_experts(child):
+                continue
+            if _default_arithmetic(child) and child.gate_up_proj.dtype.is_floating_point:
+                setattr(parent, name, Int8Experts(child))
+                done.append(qualified)
+            else:
+                kept.append(qualified)
+    return done, kept
+
+
 class PackedExperts(torch.nn.Module):
-    """An experts module's weights packed for the engine's linear kernel of ``layout``, one stack per projection;
-    called as the module it replaces: ``(hidden_states [tokens, hidden], top_k_index, top_k_weights)``."""
+    """An experts module's weights packed for the engine's linear kernel of ``layout``, one stack per projection
+    (an :class:`Int8Experts`'s int8 values in that kernel's layout, and its scales); called as the module it
+    replaces: ``(hidden_states [tokens, hidden], top_k_index, top_k_weights)``."""
 
     def __init__(self, experts: torch.nn.Module, layout: str) -> None:
         super().__init__()
-        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-        pack = getattr(torch.ops.pdserve, _PACK[layout])
         self.layout = layout
+        self.int8 = isinstance(experts, Int8Experts)
+        if self.int8:
+            gate_up, down = experts.gate_up, experts.down
+            pack = _int8_blocks if layout == "fp32_blocks" else _int8_pairs
+            self.register_buffer("gate_up_scale", experts.gate_up_scale)
+            self.register_buffer("down_scale", experts.down_scale)
+        else:
+            gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+            pack = getattr(torch.ops.pdserve, _PACK[layout])
+            self.gate_up_scale = self.down_scale = None
         self.num_experts, two_inter, self.hidden = gate_up.shape
         self.inter = two_inter // 2
         self.gate_up = torch.nn.Parameter(torch.stack([pack(w) for w in gate_up]), requires_grad=False)
@@ -48,10 +120,11 @@ class PackedExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         return torch.ops.pdserve.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up, self.down,
-                                             self.inter, self.layout)  # fmt: skip
+                                             self.inter, self.layout, self.gate_up_scale, self.down_scale)  # fmt: skip
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, layout={self.layout}"
+        int8 = ", int8" if self.int8 else ""
+        return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, layout={self.layout}{int8}"
 
 
 class PackedRouter(torch.nn.Module):
@@ -140,32 +213,57 @@ def _fitting(module: torch.nn.Module) -> str | None:
     """The packed layout for ``module``'s experts, or None where transformers' default arithmetic does not cover
     it or the engine's kernels do not take its weights. A prefill worker's experts take this layout too: oneDNN's,
     which its linear layers take on AMX CPUs, is no layout of ``moe_experts``, and the model's own experts ran a
-    1,024-token Qwen3-MoE prefill (bf16, 2-core Xeon with AMX) in 160 ms against 107 ms on AMX tiles."""
-    from transformers.integrations.moe import _default_apply_gate
-
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if type(gate_up) is not torch.nn.Parameter or type(down) is not torch.nn.Parameter:  # DTensors, quantized
+    1,024-token Qwen3-MoE prefill (bf16, 2-core Xeon with AMX) in 160 ms against 107 ms on AMX tiles. int8 experts
+    (:class:`Int8Experts`) take the layouts where the kernels widen int8 values: fp32's blocks, bf16's pairs (not
+    the AMX tiles, which load bf16 alone)."""
+    if isinstance(module, Int8Experts):
+        if not packing_supported(module.dtype, module.gate_up.device) or module.hidden % 2 or module.inter % 2:
+            return None
+        if module.dtype == torch.float32 and torch.ops.pdserve.fp32_linear_supported():
+            return "fp32_blocks"
+        if module.dtype == torch.bfloat16 and torch.ops.pdserve.bf16_linear_supported():
+            return "bf16_pairs"
         return None
-    if not (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)) or any(
-            getattr(module, flag, True) for flag in ("has_bias", "is_transposed", "has_post_expert_norm",
-                                                     "_is_expert_parallel")):  # fmt: skip
+    if not _default_arithmetic(module):
         return None
-    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
-        return None
-    if type(getattr(module, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
-        return None
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] or gate_up.shape[1] % 2 \
-            or down.shape[1:] != (gate_up.shape[2], gate_up.shape[1] // 2):  # fmt: skip
-        return None
+    gate_up, down = module.gate_up_proj, module.down_proj
     layout = _own_layout(gate_up[0])
     if layout not in _LAYOUTS or _own_layout(down[0]) != layout:
         return None
     return layout
 
 
+def _has_experts(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds experts as transformers does: 3-D ``gate_up_proj`` and ``down_proj`` parameters."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter) \
+        and gate_up.dim() == 3 and down.dim() == 3  # fmt: skip
+
+
+def _default_arithmetic(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s experts compute transformers' default arithmetic (the module doc) over plain weights."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if type(gate_up) is not torch.nn.Parameter or type(down) is not torch.nn.Parameter:  # DTensors, quantized
+        return False
+    if type(gate_up.data) is not torch.Tensor or type(down.data) is not torch.Tensor:
+        return False
+    if not (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)) or any(
+            getattr(module, flag, True) for flag in ("has_bias", "is_transposed", "has_post_expert_norm",
+                                                     "_is_expert_parallel")):  # fmt: skip
+        return False
+    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
+        return False
+    if type(getattr(module, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
+        return False
+    return not (gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] or gate_up.shape[1] % 2
+                or down.shape[1:] != (gate_up.shape[2], gate_up.shape[1] // 2))  # fmt: skip
+
+
 def _same_output(packed: PackedExperts, module: torch.nn.Module) -> bool:
     """Whether ``packed`` gives ``module``'s output on 7 random tokens, each routed to distinct random experts."""
-    dtype = packed.gate_up.dtype
+    dtype = packed.gate_up_scale.dtype if packed.int8 else packed.gate_up.dtype
     generator = torch.Generator().manual_seed(0)
     top_k = min(2, packed.num_experts)
     x = torch.randn(7, packed.hidden, generator=generator).to(dtype)

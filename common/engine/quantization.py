@@ -26,6 +26,11 @@ and the LM head when it is not tied. A weight shared with another module (an LM 
 embeddings) stays as it is: the embedding lookup needs the full-precision matrix, so an int8 copy would add
 memory and break the tie. On build/llama-60m (untied, fp32), quantizing its LM head too took the weights from
 148 MiB to 101 MiB and teacher-forced greedy agreement with fp32 from 85.0% to 84.6% (512 positions).
+``int8-weight-only`` quantizes a MoE model's experts too (most of its weights: transformers keeps them as 3-D
+parameters, not ``nn.Linear``): each expert's rows as torchao quantizes a linear layer's, computed as torchao
+computes one (:class:`~common.engine.moe.Int8Experts`; the engine's kernels run them packed,
+:class:`~common.engine.moe.PackedExperts`). Experts of their own arithmetic (GPT-OSS's clamped gate and biases)
+stay in full precision, as do every model's experts under ``int8-dynamic``.
 
 Memory: the replaced full-precision weights are freed. Safetensors memory-maps the checkpoint, and one tensor
 left on that map (the embeddings) keeps the whole file mapped, with the pages of the replaced weights resident:
@@ -68,7 +73,8 @@ def check_method(method: str) -> None:
 
 def quantize_model(model: torch.nn.Module, method: str) -> list[str]:
     """Quantize the linear layers of ``model`` in place with ``method`` (see the module docstring); returns the
-    qualified names of the layers quantized, in module order (``[]`` for ``none``).
+    qualified names of the layers quantized, in module order, then those of the experts modules quantized (``[]``
+    for ``none``).
 
     The model must already be on its device. A layer already quantized by torchao is left alone. Raises
     :class:`QuantizationError` as :func:`check_method` does, and naming the layer for a weight of another tensor
@@ -92,6 +98,11 @@ def quantize_model(model: torch.nn.Module, method: str) -> list[str]:
     before_bytes = weight_bytes(model)
     selected = set(targets)
     quantize_(model, config, filter_fn=lambda _m, fqn: fqn in selected)
+    experts, kept_experts = [], []
+    if method == "int8-weight-only":  # a MoE model's experts: most of its weights (see the module doc)
+        from common.engine.moe import quantize_experts
+
+        experts, kept_experts = quantize_experts(model)
     for param in model.parameters():
         if param.device.type == "cpu" and type(param.data) is torch.Tensor:
             param.data = param.data.clone()  # off the checkpoint's mmap (module docstring); ties keep the Parameter
@@ -99,7 +110,10 @@ def quantize_model(model: torch.nn.Module, method: str) -> list[str]:
         trim_heap()
     log.info("%s: %d linear layers quantized, weights %.1f MiB -> %.1f MiB; kept (weight shared): %s",
              method, len(targets), before_bytes / 2**20, weight_bytes(model) / 2**20, kept or "none")
-    return targets
+    if experts or kept_experts:
+        log.info("%s: %d experts modules quantized; kept in full precision (their own arithmetic): %s",
+                 method, len(experts), kept_experts or "none")
+    return targets + experts
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

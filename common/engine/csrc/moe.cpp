@@ -13,6 +13,11 @@
 // computed with transformers' roundings (the activation rounded, then the product; the weight multiplied in the
 // promoted dtype; the slots summed in one reduction and rounded once), so the result differs from transformers'
 // only by the linear kernels' order of summation.
+//
+// int8 experts (``--quantization int8-weight-only``, moe.Int8Experts): each expert's int8 values in the same
+// layouts (the linear kernels widen them in registers as they load them) and one scale per output feature, in x's
+// dtype; each product is scaled as torchao scales a weight-only int8 layer's (the product rounded to x's dtype,
+// times the scale, rounded again).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -66,6 +71,21 @@ void weigh_rows(const Out* out, const W* weights, const int64_t* pos, S* slots, 
   }
 }
 
+// y[r, j] *= scale[j] in y's dtype (float products, rounded once: what at::mul gives)
+template <typename T>
+void scale_columns(T* y, const T* scale, int64_t m, int64_t n) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < n; ++j)
+      y[r * n + j] = static_cast<T>(static_cast<float>(y[r * n + j]) * static_cast<float>(scale[j]));
+}
+
+void scale_columns(at::Tensor& y, const at::Tensor& scale) {
+  if (y.scalar_type() == at::kFloat)
+    scale_columns(y.data_ptr<float>(), scale.data_ptr<float>(), y.size(0), y.size(1));
+  else
+    scale_columns(y.data_ptr<c10::BFloat16>(), scale.data_ptr<c10::BFloat16>(), y.size(0), y.size(1));
+}
+
 template <typename Out, typename W>
 void weigh_as(const at::Tensor& out, const W* weights, const int64_t* pos, at::Tensor& slots) {
   const int64_t m = out.size(0), hidden = out.size(1);
@@ -88,9 +108,11 @@ void weigh(const at::Tensor& out, const at::Tensor& weights, const int64_t* pos,
 
 // x [T, H]; ids, weights [T, k] (each token's experts and their routing weights); gate_up [E, ...] and down
 // [E, ...] each expert's packed [2I, H] and [H, I] weights (concatenated gate then up rows, as transformers stores
-// them) -> [T, H] in x's dtype.
+// them) -> [T, H] in x's dtype. int8 stacks come with their scales, gate_up_scale [E, 2I] and down_scale [E, H]
+// in x's dtype.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
-                       const at::Tensor& down, int64_t inter, c10::string_view layout) {
+                       const at::Tensor& down, int64_t inter, c10::string_view layout,
+                       const std::optional<at::Tensor>& gate_up_scale, const std::optional<at::Tensor>& down_scale) {
   TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && weights.sizes() == ids.sizes() && ids.size(0) == x.size(0),
               "pdserve::moe_experts takes x [T, H] and ids, weights [T, k], got ", x.sizes(), ", ", ids.sizes(), ", ",
               weights.sizes());
@@ -100,6 +122,18 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
               weights.scalar_type());
   TORCH_CHECK(x.device().is_cpu() && gate_up.size(0) == down.size(0) && gate_up.is_contiguous() && down.is_contiguous(),
               "pdserve::moe_experts takes CPU tensors and contiguous stacks of packed weights, one per expert");
+  const bool int8 = gate_up.scalar_type() == at::kChar;
+  TORCH_CHECK(down.scalar_type() == gate_up.scalar_type() && gate_up_scale.has_value() == int8 &&
+                  down_scale.has_value() == int8,
+              "pdserve::moe_experts: int8 weight stacks (both, or neither) come with their scales, and only they");
+  if (int8) {
+    TORCH_CHECK(gate_up_scale->scalar_type() == x.scalar_type() && down_scale->scalar_type() == x.scalar_type() &&
+                    gate_up_scale->is_contiguous() && down_scale->is_contiguous() &&
+                    gate_up_scale->sizes() == at::IntArrayRef({gate_up.size(0), 2 * inter}) &&
+                    down_scale->sizes() == at::IntArrayRef({down.size(0), x.size(1)}),
+                "pdserve::moe_experts: scales [E, 2 x inter] and [E, hidden] in x's dtype, got ",
+                gate_up_scale->sizes(), " and ", down_scale->sizes());
+  }
   const std::string name(layout);
   TORCH_CHECK(name == "fp32_blocks" || name == "bf16_pairs" || name == "bf16_amx",
               "pdserve::moe_experts: layout must be fp32_blocks, bf16_pairs or bf16_amx, got ", name);
@@ -141,8 +175,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     for (int64_t r = 0; r < m; ++r)
       std::memcpy(static_cast<char*>(rows.data_ptr()) + r * row_bytes,
                   static_cast<const char*>(rows_all.data_ptr()) + order[start[e] + r] / k * row_bytes, row_bytes);
-    const at::Tensor act = silu_mul.call(linear(rows, gate_up[e], 2 * inter));
-    const at::Tensor out = linear(act, down[e], hidden);
+    at::Tensor gu = linear(rows, gate_up[e], 2 * inter);
+    if (int8) scale_columns(gu, (*gate_up_scale)[e]);
+    const at::Tensor act = silu_mul.call(gu);
+    at::Tensor out = linear(act, down[e], hidden);
+    if (int8) scale_columns(out, (*down_scale)[e]);
     weigh(out, flat_weights, order.data() + start[e], slots);
   };
   const int64_t n_hit = static_cast<int64_t>(hit.size());
@@ -167,6 +204,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
-  m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down, int inter, str layout) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down, int inter, str layout, "
+        "Tensor? gate_up_scale=None, Tensor? down_scale=None) -> Tensor");
   m.impl("moe_experts", c10::DispatchKey::CPU, TORCH_FN(moe_experts));
 }
