@@ -50,6 +50,11 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=704)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(hidden_act="gelu_pytorch_tanh")),
+    # a soft cap of 50 on the attention logits (plain-op attention, attention_math.py), windows of 4,096 on
+    # alternate layers
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=64)),
+    # per-head Gemma-style q/k norms, windows of 512 on five layers of six
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=64)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),

@@ -1,11 +1,13 @@
-"""Llama-, Qwen2/3- and Mistral-style attention over the fused q/k/v product, the rotary embedding one kernel call.
+"""Llama-, Qwen2/3-, Mistral- and Gemma-style attention over the fused q/k/v product, the rotary embedding one kernel
+call.
 
 transformers' attention module projects q, k and v (here three slices of one fused product, see
 :mod:`common.engine.cpu_linear`), then rotates q and k with ``apply_rotary_pos_emb``: fourteen small operators a
 layer. :class:`RopeAttention` computes the fused product, rotates its query and key columns in place with
 ``torch.ops.pdserve.rotary_`` (transformers' roundings, so the same numbers) and hands views of it to the
 registered attention function, as the module it replaces would. Qwen3's RMSNorm of each query and key head
-(``q_norm``, ``k_norm``, between the projection and RoPE) runs on those columns first, written back in place.
+(``q_norm``, ``k_norm``, between the projection and RoPE; Gemma 3's Gemma-style one) runs on those columns first,
+written back in place. Gemma 2's soft cap goes to the attention function as its module passes it.
 
 :func:`fuse_rope_attention` swaps it in only where the module is one of the classes whose forward it repeats,
 its q/k/v are one fused product, and the kernel gives exactly what the module's own ``apply_rotary_pos_emb``
@@ -20,7 +22,7 @@ import sys
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from common.engine.cpu_linear import _LLAMA_STYLE_NORMS, LinearSlice, PackedLinear
+from common.engine.cpu_linear import _GEMMA_STYLE_NORMS, _LLAMA_STYLE_NORMS, LinearSlice, PackedLinear
 from common.engine.module_match import same_forward
 
 log = logging.getLogger(__name__)
@@ -36,15 +38,20 @@ _ROPE_ATTENTIONS = {
     "MistralAttention": lambda module: {"sliding_window": getattr(module.config, "sliding_window", None)},
     # one q|k|v layer in the checkpoint
     "Phi3Attention": lambda module: {"sliding_window": getattr(module.config, "sliding_window", None)},
+    # Gemma 2: no head norms, a soft cap of the logits (attention_math.py computes it); Gemma 3: Gemma-style head
+    # norms (x / rms(x) * (1 + w)) after the heads are transposed (the same numbers: each head's row on its own)
+    "Gemma2Attention": lambda module: {"sliding_window": module.sliding_window,
+                                       "softcap": module.attn_logit_softcapping},
+    "Gemma3Attention": lambda module: {"sliding_window": module.sliding_window},
 }
 _REFERENCES = ("llama.LlamaAttention", "qwen2.Qwen2Attention", "qwen3.Qwen3Attention", "mistral.MistralAttention",
-               "phi3.Phi3Attention")
+               "phi3.Phi3Attention", "gemma2.Gemma2Attention", "gemma3.Gemma3Attention")
 
 
 class RopeAttention(torch.nn.Module):
-    """Stands where a Llama/Qwen2/Qwen3/Mistral/Phi-3 attention module stood; keeps it for its settings, its
-    output projection and Qwen3's per-head norms. ``qkv``: the packed layer computing q|k|v (a FusedLinear's, or
-    Phi-3's own ``qkv_proj``)."""
+    """Stands where a Llama/Qwen2/Qwen3/Mistral/Phi-3/Gemma 2/Gemma 3 attention module stood; keeps it for its
+    settings, its output projection and Qwen3's (Gemma 3's) per-head norms. ``qkv``: the packed layer computing
+    q|k|v (a FusedLinear's, or Phi-3's own ``qkv_proj``)."""
 
     def __init__(self, attention: torch.nn.Module, qkv: PackedLinear, num_q_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:  # fmt: skip
@@ -146,12 +153,19 @@ def _fitting(module: torch.nn.Module) -> tuple[PackedLinear, tuple[int, int, int
     return fused.linear, (q // head_dim, k // head_dim, head_dim)
 
 
+_HEAD_NORMS = (*_LLAMA_STYLE_NORMS, *_GEMMA_STYLE_NORMS)
+
+
 def _head_norm(norm: torch.nn.Module | None, head_dim: int) -> bool:
-    """Whether ``norm`` is an RMSNorm over one head (the engine's FusedRMSNorm, or the class it replaces)."""
-    weight = getattr(norm, "weight", None)
-    llama_style = type(norm).__name__ == "FusedRMSNorm" or same_forward(type(norm), _LLAMA_STYLE_NORMS) is not None
-    return llama_style and weight is not None \
-        and weight.shape == (head_dim,)  # fmt: skip
+    """Whether ``norm`` is an RMSNorm over one head: Llama-style (the engine's FusedRMSNorm, or the class it
+    replaces) or Gemma-style (FusedScaledRMSNorm, or the class it replaces)."""
+    if type(norm).__name__ == "FusedScaledRMSNorm":
+        weight = norm.scale
+    elif type(norm).__name__ == "FusedRMSNorm" or same_forward(type(norm), _HEAD_NORMS) is not None:
+        weight = getattr(norm, "weight", None)
+    else:
+        return False
+    return isinstance(weight, torch.Tensor) and weight.shape == (head_dim,)
 
 
 def _kernel_matches(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:

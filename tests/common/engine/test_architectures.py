@@ -168,8 +168,8 @@ FUSED = {
     "phi3": {ROPE, MLP, NORM},  # its checkpoint's own q|k|v and gate|up layers
     "granite": {ROPE, MLP, NORM},  # copies of Llama's classes
     "gemma": {ROPE, MLP, SCALED},  # a GeLU MLP
-    "gemma2": {MLP, SCALED},  # a soft cap: its own attention
-    "gemma3": {MLP, SCALED},  # Gemma-style q/k norms: its own attention
+    "gemma2": {ROPE, MLP, SCALED},  # a soft cap, passed on to the attention function
+    "gemma3": {ROPE, MLP, SCALED},  # Gemma-style q/k norms
     "mixtral": {ROPE, NORM, EXPERTS},
     "qwen2_moe": {ROPE, MLP, NORM, EXPERTS},  # the shared expert a gated MLP
     "qwen3_moe": {ROPE, NORM, EXPERTS},
