@@ -1,12 +1,17 @@
-"""The flat forward (one loop over a Llama/Qwen2/Qwen3/Mistral or Qwen2/3-MoE/Mixtral model's fused layers,
-:mod:`common.engine.flat_forward`): taken where the model has that layout, its logits the model's own bit for bit
-on mixed prefill/decode steps, stock ``generate``'s tokens; the model's own forward kept when the one check
-fails; a layer-streaming prefill streams each layer once; refused for hooked models and without the kernels."""
+"""The flat forward (one loop over the fused layers of a Llama/Qwen2/Qwen3/Mistral, Qwen2/3-MoE/Mixtral or
+Gemma/Gemma 2/3 model, :mod:`common.engine.flat_forward`): taken where the model has that layout, its logits the
+model's own bit for bit on mixed prefill/decode steps, stock ``generate``'s tokens; the model's own forward kept
+when the one check fails; a layer-streaming prefill streams each layer once; refused for hooked models and
+without the kernels."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+import transformers
 
 from common.engine import cpu_kernels
 from common.engine.config import EngineConfig
@@ -18,17 +23,41 @@ from tests.common.engine.moe_models import MOE_FAMILIES, build_moe
 from tests.common.engine.test_engine_oracle import GREEDY, make_prompts
 from tests.conftest import hf_greedy
 
+# Gemma's families (their own flat loop): two layers, a window of 24 on Gemma 2's and 3's first (their soft caps
+# on the attention and final logits at transformers' defaults: 50 and 30)
+_GEMMA_BASE = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                   pad_token_id=0)  # fmt: skip
+_WINDOWED = dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"])
+GEMMA_FAMILIES = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", _WINDOWED),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", _WINDOWED),
+}
+
+
+def build_gemma(family: str, out: Path, tokenizer_dir: str) -> str:
+    config_cls, model_cls, overrides = GEMMA_FAMILIES[family]
+    torch.manual_seed(0)
+    getattr(transformers, model_cls)(getattr(transformers, config_cls)(**_GEMMA_BASE, **overrides)).save_pretrained(out)
+    for f in Path(tokenizer_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out)
+    return str(out)
+
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir, tmp_path_factory):
-    """``model_dir(arch, **overrides)``: build-tiny's model of that arch, or a MoE family's (moe_models.py)."""
+    """``model_dir(arch, **overrides)``: build-tiny's model of that arch, or a MoE family's (moe_models.py), or a
+    Gemma family's."""
     built: dict[str, str] = {}
 
     def get(arch: str, **overrides) -> str:
-        if arch not in MOE_FAMILIES:
+        if arch not in MOE_FAMILIES and arch not in GEMMA_FAMILIES:
             return tiny_model_dir(arch, **overrides)
         if arch not in built:
-            built[arch] = build_moe(arch, tmp_path_factory.mktemp(arch), tiny_model_dir("llama"))
+            build = build_moe if arch in MOE_FAMILIES else build_gemma
+            built[arch] = build(arch, tmp_path_factory.mktemp(arch), tiny_model_dir("llama"))
         return built[arch]
 
     return get
@@ -45,7 +74,7 @@ def engine_for(model_dir: str, **config) -> LLMEngine:
 
 
 def test_taken_where_the_layout_fits(model_dir, tiny_model_dir):
-    for arch in ("llama", "qwen2", "qwen3", "mistral", *MOE_FAMILIES):
+    for arch in ("llama", "qwen2", "qwen3", "mistral", *MOE_FAMILIES, *GEMMA_FAMILIES):
         assert engine_for(model_dir(arch)).runner.flat is not None, arch
         assert engine_for(model_dir(arch), flat_forward=False).runner.flat is None
         assert engine_for(model_dir(arch), cpu_kernels=False).runner.flat is None  # no RopeAttention
@@ -57,12 +86,14 @@ def test_taken_where_the_layout_fits(model_dir, tiny_model_dir):
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen2", {"sliding_window": 24}),
                                             ("qwen3", {}), ("qwen3", {"sliding_window": 24}),
                                             ("mistral", {"sliding_window": 24}), ("qwen3_moe", {}), ("mixtral", {}),
-                                            ("qwen2_moe", {})],
+                                            ("qwen2_moe", {}), ("gemma", {}), ("gemma2", {}), ("gemma3", {})],
                          ids=["llama", "qwen2", "qwen2-window", "qwen3", "qwen3-window", "mistral-window", "qwen3_moe",
-                              "mixtral", "qwen2_moe"])  # fmt: skip
+                              "mixtral", "qwen2_moe", "gemma", "gemma2", "gemma3"])  # fmt: skip
 def test_logits_equal_the_models_own_on_every_step(arch, overrides, model_dir, hf_reference):
     """Prompts arriving while others decode (steps of decode + prefill), every step's logits both ways (the
-    runner's one check made to run on every step). MoE models: packed experts in the layers' sparse blocks."""
+    runner's one check made to run on every step). MoE models: packed experts in the layers' sparse blocks. Gemma
+    2 and 3: sandwich norms, a window on one layer of two, soft caps (Gemma 2), rotations by layer type (Gemma
+    3)."""
     d = model_dir(arch, **overrides)
     engine = engine_for(d, max_num_batched_tokens=64)
     runner = engine.runner
