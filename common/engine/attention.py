@@ -146,16 +146,19 @@ def _kernel_attention(
     q_tok: torch.Tensor,  # [T, Hq, D]
     scaling: float | None,
     sliding_window: int | None,
+    extras: LogitExtras | None = None,
 ) -> torch.Tensor:
     """The decode group's attention by the CPU kernel: [B, Hq, D] for the packed tokens
-    ``[token_start, token_start + B)``."""
+    ``[token_start, token_start + B)``; with a soft cap or sink logits where ``extras`` has them."""
     b = group.block_table.shape[0]
     q = q_tok[group.token_start : group.token_start + b]
     out = torch.empty(q.shape, dtype=q.dtype)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    torch.ops.pdserve.paged_decode_attention(
-        out, q, meta.kv_cache.data, layer, group.block_table, group.seq_lens, scale, sliding_window or 0
-    )
+    softcap, sinks = (0.0, None) if extras is None else (extras.softcap or 0.0, extras.sinks)
+    if sinks is not None:
+        sinks = sinks.detach().float().contiguous()
+    torch.ops.pdserve.paged_decode_attention(out, q, meta.kv_cache.data, layer, group.block_table, group.seq_lens,
+                                             scale, sliding_window or 0, softcap, sinks)  # fmt: skip
     return out
 
 
@@ -447,7 +450,8 @@ def paged_attention(
     if meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs the {METADATA_KWARG!r} model kwarg")
     layer = module.layer_idx
-    extras = LogitExtras.of(kwargs)  # a soft cap or sinks: none of the kernels computes them (attention_math.py)
+    # a soft cap or sinks: the decode kernel computes them, the prefill kernels do not (attention_math.py does)
+    extras = LogitExtras.of(kwargs)
     q_tok = query[0].transpose(0, 1)  # [T, Hq, D]
     meta.kv_cache.write(layer, meta.write_index, key[0], value[0])
     if meta.on_layer_written is not None:
@@ -456,8 +460,7 @@ def paged_attention(
     if len(meta.groups) == 1 and meta.groups[0].token_index is None:  # decode only: no scatter
         group = meta.groups[0]
         if group.seq_lens is not None:
-            _no_extras(extras)
-            return _kernel_attention(group, meta, layer, q_tok, scaling, sliding_window).unsqueeze(0), None
+            return _kernel_attention(group, meta, layer, q_tok, scaling, sliding_window, extras).unsqueeze(0), None
         if group.first_block is not None:
             return _in_place_attention(group, meta, layer, q_tok, scaling, sliding_window, extras), None
         k, v = meta.gather(layer, group)
@@ -471,9 +474,8 @@ def paged_attention(
             _fresh_attention(group, query, key, value, out, scaling, sliding_window, extras)
             continue
         if group.seq_lens is not None:
-            _no_extras(extras)
             out[group.token_start : group.token_start + group.seq_lens.shape[0]] = _kernel_attention(
-                group, meta, layer, q_tok, scaling, sliding_window
+                group, meta, layer, q_tok, scaling, sliding_window, extras
             )
             continue
         if group.kernel_spans is not None:
@@ -485,8 +487,8 @@ def paged_attention(
 
 
 def _no_extras(extras: LogitExtras | None) -> None:
-    if extras is not None:  # the engine builds a model that asks for them without its attention kernels
-        raise RuntimeError(f"the engine's CPU attention kernels compute no {extras}")
+    if extras is not None:  # the engine builds a model that asks for them without its prefill kernels
+        raise RuntimeError(f"the engine's CPU prefill attention kernels compute no {extras}")
 
 
 def _gathered_attention(group, meta, layer, q_tok, out, scaling, sliding_window, extras=None) -> None:

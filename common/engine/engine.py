@@ -140,10 +140,12 @@ class LLMEngine(KVHandoffMixin):
         # with graphs, one block more than the pool hands out: where the padding rows of a graph step write
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks + graphs, self.device)
         self.kv_cache.write_kernel = kernels
-        extras = attends.extras  # a soft cap or sink logits: attention in plain tensor ops (attention_math.py)
+        # a soft cap or sink logits: the decode kernel computes them; prefill attention in plain tensor ops
+        # (attention_math.py)
+        extras = attends.extras
         if extras:
-            log.info("attention with %s: the engine's attention kernels stay off", ", ".join(sorted(extras)))
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels and not extras,
+            log.info("attention with %s: the engine's prefill attention kernels stay off", ", ".join(sorted(extras)))
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels,
                                   flat_forward=config.flat_forward,
                                   prefill_kernel=kernels and not extras
                                   and attention.cpu_prefill_kernel_chosen(config.prefill_attention, loaded.dtype,

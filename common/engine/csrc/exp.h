@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -26,6 +27,13 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// tanh(x) as (1 - e) / (1 + e), e = exp(-2|x|), with the sign of x: vectorizes as exp_nonpositive does (a soft
+// cap over every score). Within a few ulp of tanh for |x| >= 0.5; an absolute error under 2e-7 below it.
+inline float tanh_of(float x) {
+  const float e = exp_nonpositive(-2.f * std::fabs(x));
+  return std::copysign((1.f - e) / (1.f + e), x);
 }
 
 }  // namespace pdserve

@@ -32,6 +32,7 @@
 namespace {
 
 using pdserve::exp_nonpositive;
+using pdserve::tanh_of;
 using pdserve::round_to;
 using pdserve::to_float;
 
@@ -207,7 +208,8 @@ inline float row_max(const float* x, int64_t n) {
 // DIM > 0: the head size as a constant (the inner loops unroll into a few vector instructions); 0: any size.
 template <typename q_t, typename cache_t, int64_t DIM>
 void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& cache, int64_t layer,
-                      const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t window) {
+                      const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t window,
+                      float softcap, const float* sinks) {
   const int64_t batch = query.size(0), q_heads = query.size(1), dim = DIM > 0 ? DIM : query.size(2);
   const int64_t kv_heads = cache.size(2), num_blocks = cache.size(3), block_size = cache.size(4);
   const int64_t group = q_heads / kv_heads;
@@ -285,8 +287,17 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       }
       for (int64_t j = 0; j < group; ++j) {
         float* __restrict__ sj = scores.data() + j * n;
-        const float m = row_max(sj, n);
+        if (softcap > 0.f) {  // Gemma 2: cap * tanh(score / cap)
+#pragma omp simd
+          for (int64_t t = 0; t < n; ++t) sj[t] = softcap * tanh_of(sj[t] / softcap);
+        }
+        float m = row_max(sj, n);
         float sum = 0.f;
+        if (sinks != nullptr) {  // GPT-OSS: a sink logit per query head, in the softmax and weighing no value
+          const float sink = sinks[h * group + j];
+          m = std::max(m, sink);
+          sum = exp_nonpositive(sink - m);
+        }
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < n; ++t) {
           sj[t] = exp_nonpositive(sj[t] - m);
@@ -330,21 +341,28 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
 
 template <typename q_t, typename cache_t>
 void dispatch_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& cache, int64_t layer,
-                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t window) {
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t window,
+                  float softcap, const float* sinks) {
   switch (query.size(2)) {
     case 64:
-      return decode_attention<q_t, cache_t, 64>(out, query, cache, layer, block_table, seq_lens, scale, window);
+      return decode_attention<q_t, cache_t, 64>(out, query, cache, layer, block_table, seq_lens, scale, window,
+                                                softcap, sinks);
     case 128:
-      return decode_attention<q_t, cache_t, 128>(out, query, cache, layer, block_table, seq_lens, scale, window);
+      return decode_attention<q_t, cache_t, 128>(out, query, cache, layer, block_table, seq_lens, scale, window,
+                                                 softcap, sinks);
     default:
-      return decode_attention<q_t, cache_t, 0>(out, query, cache, layer, block_table, seq_lens, scale, window);
+      return decode_attention<q_t, cache_t, 0>(out, query, cache, layer, block_table, seq_lens, scale, window,
+                                               softcap, sinks);
   }
 }
 
 // out [B, Hq, D] (written), query [B, Hq, D] (any strides with a unit last one), cache the whole KV cache,
-// block_table [B, nb] int64, seq_lens [B] int64 (keys per sequence, the query's own included), window 0 = none.
+// block_table [B, nb] int64, seq_lens [B] int64 (keys per sequence, the query's own included), window 0 = none;
+// softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2); sinks [Hq] float: each query
+// head's sink logit, a column of the softmax without a value (GPT-OSS).
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& cache, int64_t layer,
-                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t window) {
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t window,
+                            double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.device().is_cpu() && cache.device().is_cpu(), "paged_decode_attention runs on the CPU");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [B, Hq, D]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a unit stride on the last axis");
@@ -369,15 +387,22 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
       TORCH_CHECK(blk >= 0 && blk < cache.size(3), "block id ", blk, " out of range");
     }
   }
+  TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be positive (or 0: none), got ", softcap);
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                         sinks->size(0) == query.size(1)),
+              "paged_decode_attention: sinks must be a contiguous float [Hq] tensor");
+  const float cap = static_cast<float>(softcap);
+  const float* sink = sinks ? sinks->data_ptr<float>() : nullptr;
   const auto qt = query.scalar_type(), ct = cache.scalar_type();
   if (qt == at::kFloat && ct == at::kFloat) {
-    dispatch_dim<float, float>(out, query, cache, layer, block_table, seq_lens, scale, window);
+    dispatch_dim<float, float>(out, query, cache, layer, block_table, seq_lens, scale, window, cap, sink);
   } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
-    dispatch_dim<c10::BFloat16, c10::BFloat16>(out, query, cache, layer, block_table, seq_lens, scale, window);
+    dispatch_dim<c10::BFloat16, c10::BFloat16>(out, query, cache, layer, block_table, seq_lens, scale, window, cap,
+                                               sink);
   } else if (qt == at::kFloat && ct == at::kBFloat16) {
-    dispatch_dim<float, c10::BFloat16>(out, query, cache, layer, block_table, seq_lens, scale, window);
+    dispatch_dim<float, c10::BFloat16>(out, query, cache, layer, block_table, seq_lens, scale, window, cap, sink);
   } else if (qt == at::kBFloat16 && ct == at::kFloat) {
-    dispatch_dim<c10::BFloat16, float>(out, query, cache, layer, block_table, seq_lens, scale, window);
+    dispatch_dim<c10::BFloat16, float>(out, query, cache, layer, block_table, seq_lens, scale, window, cap, sink);
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ", qt, " and ", ct);
   }
@@ -388,6 +413,6 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 TORCH_LIBRARY(pdserve, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor cache, int layer, Tensor block_table, "
-      "Tensor seq_lens, float scale, int window) -> ()");
+      "Tensor seq_lens, float scale, int window, float softcap=0., Tensor? sinks=None) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
 }

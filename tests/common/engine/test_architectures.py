@@ -175,7 +175,7 @@ FUSED = {
     "qwen3_moe": {ROPE, NORM, EXPERTS},
     "olmoe": {NORM, EXPERTS},  # q/k norms over all heads at once: its own attention
     "phimoe": {ROPE, EXPERTS},  # LayerNorm
-    "gpt_oss": set(),  # a clamped gate with biases: its own experts
+    "gpt_oss": {EXPERTS},  # a clamped gate with biases, transposed and interleaved weights
 }
 
 
@@ -198,17 +198,20 @@ def test_what_the_engine_cannot_compute_is_refused_naming_why(name, checkpoint):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
 def test_logit_extras_change_stock_output_and_the_engine_follows_them(name, checkpoint, hf_reference):
-    """Gemma 2's soft cap and GPT-OSS's sinks, on every attention path a model with them takes (one stream's keys
-    read in place, a padded decode group, whole prompts, chunks after cached ones): the engine's tokens are stock's,
-    and stock's own change without the extra (so a path that dropped it would fail here)."""
+    """Gemma 2's soft cap and GPT-OSS's sinks, on every attention path a model with them takes (the decode kernel;
+    without the kernels one stream's keys read in place and a padded decode group; whole prompts, chunks after
+    cached ones): the engine's tokens are stock's, and stock's own change without the extra (so a path that dropped
+    it would fail here)."""
     d = checkpoint(name, SERVED)
-    engine = LLMEngine(load_model(d), EngineConfig(prefill_chunk_size=48, max_num_batched_tokens=128))
-    assert not engine.runner.decode_kernel and not engine.runner.prefill_kernel
     reference = hf_reference(d)
     batch = prompts()
-    alone = [engine.generate([p], [GREEDY])[0].token_ids for p in batch]
     want = [hf_greedy(reference, p, GREEDY.max_new_tokens) for p in batch]
-    assert alone == want
+    for kernels in (True, False):
+        engine = LLMEngine(load_model(d), EngineConfig(prefill_chunk_size=48, max_num_batched_tokens=128,
+                                                       cpu_kernels=kernels))  # fmt: skip
+        assert engine.runner.decode_kernel == (kernels and cpu_kernels.load()) and not engine.runner.prefill_kernel
+        alone = [engine.generate([p], [GREEDY])[0].token_ids for p in batch]
+        assert alone == want, f"kernels {kernels}"
     plain = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     for layer in plain.model.layers:
         if name == "gemma2":

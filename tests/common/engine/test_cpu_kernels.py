@@ -21,8 +21,9 @@ from common.engine.kv_cache import KVCacheSpec, PagedKVCache
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels unavailable")
 
 
-def reference(q, cache: PagedKVCache, layer, table, lens, scale, window):
-    """[B, Hq, D] float64 attention of one query per sequence over its first lens[b] cached keys."""
+def reference(q, cache: PagedKVCache, layer, table, lens, scale, window, softcap=None, sinks=None):
+    """[B, Hq, D] float64 attention of one query per sequence over its first lens[b] cached keys; a soft cap of
+    the scores and sink logits [Hq] (a softmax column without a value) where given."""
     kv = cache.data[layer].double()  # [2, H, NB, bs, D]
     h = kv.shape[1]
     bs = cache.spec.block_size
@@ -35,7 +36,15 @@ def reference(q, cache: PagedKVCache, layer, table, lens, scale, window):
         k = kv[0][:, blocks, slots % bs]  # [H, n, D]
         v = kv[1][:, blocks, slots % bs]
         qb = q[b].double().view(h, -1, q.shape[-1])  # [H, g, D]
-        p = torch.softmax(qb @ k.transpose(1, 2) * scale, -1)
+        logits = qb @ k.transpose(1, 2) * scale
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if sinks is not None:
+            column = sinks.double().view(h, -1, 1)
+            logits = torch.cat([logits, column], dim=-1)
+        p = torch.softmax(logits, -1)
+        if sinks is not None:
+            p = p[..., :-1]
         out.append((p @ v).reshape(-1, q.shape[-1]))
     return torch.stack(out)
 
@@ -67,6 +76,40 @@ def test_kernel_matches_float64_attention(q_dtype, cache_dtype, tol, dim, group,
     torch.ops.pdserve.paged_decode_attention(out, q, cache.data, 1, table, lens, scale, window)
     expected = reference(q, cache, 1, table, lens, scale, window)
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype,tol", [(torch.float32, torch.float32, 1e-5),
+                                                     (torch.bfloat16, torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dim", [64, 128, 40])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("extra", ["softcap", "sinks", "both"])
+def test_kernel_computes_soft_caps_and_sink_logits(q_dtype, cache_dtype, tol, dim, group, window, extra):
+    """Gemma 2's soft cap (a cap the scaled scores pass, so it bends them) and GPT-OSS's sink logits (some above
+    every score: most of the weight on the sink), as transformers' eager attention computes them, in float64."""
+    q, cache, table, lens = random_case(q_dtype, cache_dtype, group=group, dim=dim)
+    q = (q.float() * 3).to(q_dtype)  # scores of several units
+    scale = dim**-0.5
+    softcap = 1.5 if extra in ("softcap", "both") else None
+    sinks = torch.linspace(-4, 6, q.shape[1]) if extra in ("sinks", "both") else None
+    out = torch.full_like(q, float("nan"))
+    torch.ops.pdserve.paged_decode_attention(out, q, cache.data, 1, table, lens, scale, window, softcap or 0.0, sinks)
+    expected = reference(q, cache, 1, table, lens, scale, window, softcap, sinks)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+    plain = reference(q, cache, 1, table, lens, scale, window)
+    assert (expected - plain).abs().max() > 0.1  # the extra changes the output
+
+
+def test_soft_caps_and_sinks_take_only_their_forms():
+    q, cache, table, lens = random_case(torch.float32, torch.float32)
+    out = torch.empty_like(q)
+    op = torch.ops.pdserve.paged_decode_attention
+    with pytest.raises(RuntimeError, match="softcap must be positive"):
+        op(out, q, cache.data, 1, table, lens, 0.125, 0, -1.0, None)
+    with pytest.raises(RuntimeError, match=r"sinks must be a contiguous float \[Hq\]"):
+        op(out, q, cache.data, 1, table, lens, 0.125, 0, 0.0, torch.zeros(q.shape[1] + 1))
+    with pytest.raises(RuntimeError, match=r"sinks must be a contiguous float \[Hq\]"):
+        op(out, q, cache.data, 1, table, lens, 0.125, 0, 0.0, torch.zeros(q.shape[1], dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("q_dtype,cache_dtype,tol", [(torch.float32, torch.float32, 1e-5),
