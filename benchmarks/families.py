@@ -50,6 +50,10 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=704)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(hidden_act="gelu_pytorch_tanh")),
+    # GPT-OSS's experts (interleaved gate and up, biases, a clamped gate) at Qwen3-MoE's proportions; sink logits
+    # (plain-op attention, attention_math.py), windows of 128 on alternate layers
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(num_local_experts=32, num_experts_per_tok=4, intermediate_size=352)),
     # a soft cap of 50 on the attention logits (plain-op attention, attention_math.py), windows of 4,096 on
     # alternate layers
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=64)),

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers on the engine's CPU kernels: each expert's gated SiLU MLP over packed weights.
+"""Mixture-of-experts layers on the engine's CPU kernels: each expert's gated MLP over packed weights.
 
 transformers keeps a MoE block's experts as two 3-D parameters (``gate_up_proj`` [experts, 2 x inter, hidden],
 ``down_proj`` [experts, hidden, inter]) and computes them through its experts interface
@@ -7,17 +7,20 @@ whether a token chose it or not, over transposed weights. :class:`PackedExperts`
 and runs ``torch.ops.pdserve.moe_experts`` (``common/engine/csrc/moe.cpp``): only the experts hit, each through
 the engine's linear kernel over its packed weight, with transformers' roundings.
 
-:class:`PackedRouter` computes a top-k router's logits (Qwen2/3-MoE's, OLMoE's, Mixtral's) from a packed layer.
-
 :func:`fuse_experts` swaps the experts in where the module is one transformers' default arithmetic covers (concatenated
 gate and up, not transposed, no biases, a SiLU gate, no norm after the experts, no expert parallelism: Qwen2/3-MoE,
-Mixtral, OLMoE, GLM-4-MoE, ERNIE 4.5 MoE and their kin; GPT-OSS's clamped gate and biases keep the model's own)
-and its output matches the module's own on random tokens and routing.
+Mixtral, OLMoE, GLM-4-MoE, ERNIE 4.5 MoE and their kin) or GPT-OSS's (transposed weights, gate and up columns
+interleaved, biases, a clamped gate: the columns taken apart into gate rows then up rows, the biases added by the
+linear kernels, the gate computed with torch's roundings, ``moe_experts``' ``gpt_oss`` gate), and its output
+matches the module's own on random tokens and routing.
 
-:class:`Int8Experts`: such a module's experts quantized to int8 as ``--quantization int8-weight-only`` quantizes a
-linear layer (torchao's ``Int8WeightOnlyConfig``: one symmetric scale per output feature of each expert), computed
-as torchao computes such a layer; :func:`quantize_experts` swaps it in (common/engine/quantization.py), and
-:class:`PackedExperts` takes its int8 values into the kernels' layouts, which the linear kernels widen as they load.
+:class:`PackedRouter` computes a top-k router's logits (Qwen2/3-MoE's, OLMoE's, Mixtral's) from a packed layer.
+
+:class:`Int8Experts`: a module of the default arithmetic with its experts quantized to int8 as ``--quantization
+int8-weight-only`` quantizes a linear layer (torchao's ``Int8WeightOnlyConfig``: one symmetric scale per output
+feature of each expert), computed as torchao computes such a layer; :func:`quantize_experts` swaps it in
+(common/engine/quantization.py), and :class:`PackedExperts` takes its int8 values into the kernels' layouts, which
+the linear kernels widen as they load.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ class PackedExperts(torch.nn.Module):
         super().__init__()
         self.layout = layout
         self.int8 = isinstance(experts, Int8Experts)
+        self.gate, self.alpha, self.limit = "silu", 0.0, 0.0
         if self.int8:
             gate_up, down = experts.gate_up, experts.down
             pack = _int8_blocks if layout == "fp32_blocks" else _int8_pairs
@@ -113,6 +117,17 @@ class PackedExperts(torch.nn.Module):
             gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
             pack = getattr(torch.ops.pdserve, _PACK[layout])
             self.gate_up_scale = self.down_scale = None
+        if _gpt_oss_arithmetic(experts):
+            # [E, H, 2I] with gate and up columns interleaved -> [E, 2I, H], the gate rows first then the up rows
+            two_inter = gate_up.shape[2]
+            order = torch.cat([torch.arange(0, two_inter, 2), torch.arange(1, two_inter, 2)])
+            gate_up, down = gate_up.transpose(1, 2)[:, order], down.transpose(1, 2)
+            # the kernels add a bias in float: converted once
+            self.register_buffer("gate_up_bias", experts.gate_up_proj_bias.detach()[:, order].float().contiguous())
+            self.register_buffer("down_bias", experts.down_proj_bias.detach().float().contiguous())
+            self.gate, self.alpha, self.limit = "gpt_oss", float(experts.alpha), float(experts.limit)
+        else:
+            self.gate_up_bias = self.down_bias = None
         self.num_experts, two_inter, self.hidden = gate_up.shape
         self.inter = two_inter // 2
         self.gate_up = torch.nn.Parameter(torch.stack([pack(w) for w in gate_up]), requires_grad=False)
@@ -120,11 +135,15 @@ class PackedExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         return torch.ops.pdserve.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up, self.down,
-                                             self.inter, self.layout, self.gate_up_scale, self.down_scale)  # fmt: skip
+                                             self.inter, self.layout, self.gate_up_scale, self.down_scale,
+                                             self.gate_up_bias, self.down_bias, self.gate, self.alpha,
+                                             self.limit)  # fmt: skip
 
     def extra_repr(self) -> str:
         int8 = ", int8" if self.int8 else ""
-        return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, layout={self.layout}{int8}"
+        gate = f", gate={self.gate}" if self.gate != "silu" else ""
+        return (f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, layout={self.layout}"
+                f"{int8}{gate}")  # fmt: skip
 
 
 class PackedRouter(torch.nn.Module):
@@ -224,13 +243,41 @@ def _fitting(module: torch.nn.Module) -> str | None:
         if module.dtype == torch.bfloat16 and torch.ops.pdserve.bf16_linear_supported():
             return "bf16_pairs"
         return None
-    if not _default_arithmetic(module):
+    if _gpt_oss_arithmetic(module):  # transposed: each expert's [hidden, 2 x inter] and [inter, hidden]
+        gate_up, down = module.gate_up_proj.transpose(1, 2), module.down_proj.transpose(1, 2)
+    elif _default_arithmetic(module):
+        gate_up, down = module.gate_up_proj, module.down_proj
+    else:
         return None
-    gate_up, down = module.gate_up_proj, module.down_proj
     layout = _own_layout(gate_up[0])
     if layout not in _LAYOUTS or _own_layout(down[0]) != layout:
         return None
     return layout
+
+
+def _gpt_oss_arithmetic(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s experts compute GPT-OSS's arithmetic over plain weights: transposed, interleaved gate
+    and up columns, biases, its clamped gate (``GptOssExperts._apply_gate``), the experts loop of transformers'
+    default path."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    params = [getattr(module, n, None) for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")]
+    if any(type(p) is not torch.nn.Parameter or type(p.data) is not torch.Tensor for p in params):
+        return False
+    if getattr(type(module), "_apply_gate", None) is not GptOssExperts._apply_gate:
+        return False
+    if not (getattr(module, "has_bias", False) and getattr(module, "is_transposed", False)) or any(
+            getattr(module, flag, True) for flag in ("is_concatenated", "has_post_expert_norm",
+                                                     "_is_expert_parallel")):  # fmt: skip
+        return False
+    if not all(isinstance(getattr(module, n, None), (int, float)) for n in ("alpha", "limit")):
+        return False
+    gate_up, down, gate_up_bias, down_bias = params
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[2] % 2:
+        return False
+    experts, hidden, two_inter = gate_up.shape
+    return down.shape == (experts, two_inter // 2, hidden) and gate_up_bias.shape == (experts, two_inter) \
+        and down_bias.shape == (experts, hidden)  # fmt: skip
 
 
 def _has_experts(module: torch.nn.Module) -> bool:

@@ -26,6 +26,8 @@
 
 #include "parallel.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -51,8 +53,9 @@ struct ExpertLinear {
       f4 = dispatcher.findSchemaOrThrow(layout == "bf16_pairs" ? "pdserve::bf16_linear" : "pdserve::bf16_linear_amx", "")
                .typed<Linear4>();
   }
-  at::Tensor operator()(const at::Tensor& rows, const at::Tensor& packed, int64_t n) const {
-    return fp32 ? f5->call(rows, packed, std::nullopt, n, 0) : f4->call(rows, packed, std::nullopt, n);
+  at::Tensor operator()(const at::Tensor& rows, const at::Tensor& packed, int64_t n,
+                        const std::optional<at::Tensor>& bias = std::nullopt) const {
+    return fp32 ? f5->call(rows, packed, bias, n, 0) : f4->call(rows, packed, bias, n);
   }
   bool fp32;
   std::optional<c10::TypedOperatorHandle<Linear5>> f5;
@@ -69,6 +72,35 @@ void weigh_rows(const Out* out, const W* weights, const int64_t* pos, S* slots, 
     const Out* src = out + r * hidden;
     for (int64_t i = 0; i < hidden; ++i) dst[i] = static_cast<S>(static_cast<float>(src[i]) * w);
   }
+}
+
+// GPT-OSS's gate (GptOssExperts._apply_gate) over gate_up [m, 2I], the gate columns first then the up columns
+// (moe.py takes its interleaved columns apart): gate clamped above at limit, up to [-limit, limit], then
+// (up + 1) * gate * sigmoid(gate * alpha), each operation rounded to T as torch rounds it -> [m, I]
+template <typename T>
+void gpt_oss_gate(const T* gate_up, T* out, int64_t m, int64_t inter, float alpha, float limit) {
+  const auto round = [](float v) { return static_cast<float>(static_cast<T>(v)); };
+  for (int64_t r = 0; r < m; ++r) {
+    const T* g = gate_up + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    for (int64_t j = 0; j < inter; ++j) {
+      const float gate = std::min(static_cast<float>(g[j]), limit);
+      const float up = std::min(std::max(static_cast<float>(u[j]), -limit), limit);
+      const float sig = round(1.0f / (1.0f + std::exp(-round(gate * alpha))));
+      o[j] = static_cast<T>(round(up + 1.0f) * round(gate * sig));
+    }
+  }
+}
+
+at::Tensor gpt_oss_gate(const at::Tensor& gate_up, int64_t inter, double alpha, double limit) {
+  at::Tensor out = at::empty({gate_up.size(0), inter}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat)
+    gpt_oss_gate(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), inter, alpha, limit);
+  else
+    gpt_oss_gate(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), gate_up.size(0), inter, alpha,
+                 limit);
+  return out;
 }
 
 // y[r, j] *= scale[j] in y's dtype (float products, rounded once: what at::mul gives)
@@ -112,7 +144,9 @@ void weigh(const at::Tensor& out, const at::Tensor& weights, const int64_t* pos,
 // in x's dtype.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
                        const at::Tensor& down, int64_t inter, c10::string_view layout,
-                       const std::optional<at::Tensor>& gate_up_scale, const std::optional<at::Tensor>& down_scale) {
+                       const std::optional<at::Tensor>& gate_up_scale, const std::optional<at::Tensor>& down_scale,
+                       const std::optional<at::Tensor>& gate_up_bias, const std::optional<at::Tensor>& down_bias,
+                       c10::string_view gate, double alpha, double limit) {
   TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && weights.sizes() == ids.sizes() && ids.size(0) == x.size(0),
               "pdserve::moe_experts takes x [T, H] and ids, weights [T, k], got ", x.sizes(), ", ", ids.sizes(), ", ",
               weights.sizes());
@@ -133,6 +167,21 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                     down_scale->sizes() == at::IntArrayRef({down.size(0), x.size(1)}),
                 "pdserve::moe_experts: scales [E, 2 x inter] and [E, hidden] in x's dtype, got ",
                 gate_up_scale->sizes(), " and ", down_scale->sizes());
+  }
+  const std::string gate_name(gate);
+  TORCH_CHECK(gate_name == "silu" || gate_name == "gpt_oss", "pdserve::moe_experts: gate must be silu or gpt_oss, got ",
+              gate_name);
+  const bool gpt_oss = gate_name == "gpt_oss";
+  TORCH_CHECK(gate_up_bias.has_value() == down_bias.has_value(),
+              "pdserve::moe_experts: biases for both projections, or for neither");
+  if (gate_up_bias) {
+    TORCH_CHECK(gate_up_bias->scalar_type() == at::kFloat && down_bias->scalar_type() == at::kFloat &&
+                    gate_up_bias->is_contiguous() && down_bias->is_contiguous() &&
+                    gate_up_bias->sizes() == at::IntArrayRef({gate_up.size(0), 2 * inter}) &&
+                    down_bias->sizes() == at::IntArrayRef({down.size(0), x.size(1)}),
+                "pdserve::moe_experts: float biases [E, 2 x inter] and [E, hidden], got ", gate_up_bias->sizes(),
+                " and ", down_bias->sizes());
+    TORCH_CHECK(!int8, "pdserve::moe_experts: int8 experts take no biases");
   }
   const std::string name(layout);
   TORCH_CHECK(name == "fp32_blocks" || name == "bf16_pairs" || name == "bf16_amx",
@@ -175,10 +224,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     for (int64_t r = 0; r < m; ++r)
       std::memcpy(static_cast<char*>(rows.data_ptr()) + r * row_bytes,
                   static_cast<const char*>(rows_all.data_ptr()) + order[start[e] + r] / k * row_bytes, row_bytes);
-    at::Tensor gu = linear(rows, gate_up[e], 2 * inter);
+    at::Tensor gu = linear(rows, gate_up[e], 2 * inter,
+                           gate_up_bias ? std::optional<at::Tensor>((*gate_up_bias)[e]) : std::nullopt);
     if (int8) scale_columns(gu, (*gate_up_scale)[e]);
-    const at::Tensor act = silu_mul.call(gu);
-    at::Tensor out = linear(act, down[e], hidden);
+    const at::Tensor act = gpt_oss ? gpt_oss_gate(gu, inter, alpha, limit) : silu_mul.call(gu);
+    at::Tensor out = linear(act, down[e], hidden, down_bias ? std::optional<at::Tensor>((*down_bias)[e]) : std::nullopt);
     if (int8) scale_columns(out, (*down_scale)[e]);
     weigh(out, flat_weights, order.data() + start[e], slots);
   };
@@ -205,6 +255,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down, int inter, str layout, "
-        "Tensor? gate_up_scale=None, Tensor? down_scale=None) -> Tensor");
+        "Tensor? gate_up_scale=None, Tensor? down_scale=None, Tensor? gate_up_bias=None, Tensor? down_bias=None, "
+        "str gate=\"silu\", float alpha=0., float limit=0.) -> Tensor");
   m.impl("moe_experts", c10::DispatchKey::CPU, TORCH_FN(moe_experts));
 }

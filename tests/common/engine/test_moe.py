@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralAttention, MixtralRMSNorm, MixtralTopKRouter
 from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeRMSNorm, Qwen3MoeTopKRouter
@@ -247,3 +248,55 @@ def test_whole_experts_a_thread_give_the_same_output(dtype, tokens):
         torch.set_num_threads(threads)
     assert torch.equal(alone, shared)
     torch.testing.assert_close(shared.float(), module(x, index, weights).float(), rtol=2e-2, atol=2e-2)
+
+
+def gpt_oss_experts(dtype: torch.dtype, inter: int = INTER) -> GptOssExperts:
+    """GPT-OSS's experts (transposed, interleaved gate and up columns, biases, a gate clamped at 7), weights large
+    enough for the clamps to bite."""
+    module = GptOssExperts(transformers.GptOssConfig(hidden_size=HIDDEN, intermediate_size=inter,
+                                                     num_local_experts=EXPERTS, num_experts_per_tok=TOP_K))  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return module.to(dtype).eval()
+
+
+@pytest.mark.parametrize("inter", [INTER, AMX_INTER])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 67])
+def test_gpt_oss_experts_packed_give_the_models_output(dtype, tokens, inter):
+    module = gpt_oss_experts(dtype, inter)
+    found = _fitting(module)
+    if found is None:
+        pytest.skip(f"no engine linear kernel takes {dtype} weights of {inter} features on this CPU")
+    packed = PackedExperts(module, found)
+    assert packed.gate == "gpt_oss" and packed.gate_up_bias.dtype == torch.float32
+    x, index, weights = routing(tokens, dtype)
+    x = x * 3  # gates past the clamp of 7
+    with torch.inference_mode():
+        got, want = packed(x, index, weights), module(x, index, weights)
+        gate_up = x.float() @ module.gate_up_proj.float()[index[0, 0]] + module.gate_up_proj_bias.float()[index[0, 0]]
+    assert (gate_up[..., ::2] > module.limit).any() and (gate_up[..., 1::2].abs() > module.limit).any()
+    assert got.dtype == want.dtype == dtype and got.shape == (tokens, HIDDEN)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:  # bf16 roundings apart: stock's own error against fp32 bounds it
+        exact = gpt_oss_experts(torch.float32, inter)
+        exact.load_state_dict({k: v.float() for k, v in module.state_dict().items()})
+        with torch.inference_mode():
+            truth = exact(x.float(), index, weights.float())
+        assert (got.float() - truth).abs().max() <= 2 * (want.float() - truth).abs().max() + 1e-2
+
+
+def test_gpt_oss_experts_of_another_gate_keep_the_model_module():
+    class OtherGate(GptOssExperts):
+        def _apply_gate(self, gate_up):
+            return gate_up[..., ::2] * gate_up[..., 1::2]
+
+    module = gpt_oss_experts(torch.float32)
+    layout(torch.float32)
+    assert _fitting(module) is not None
+    assert _fitting(OtherGate(module.config)) is None
+    module.has_bias = False
+    assert _fitting(module) is None
