@@ -1,4 +1,4 @@
-// A mixture-of-experts block's experts in one call: each token's top-k experts, every expert's gated SiLU MLP
+// A mixture-of-experts block's experts in one call: each token's top-k experts, every expert's gated MLP
 // over the engine's packed weights (fp32_linear.cpp, bf16_linear.cpp, bf16_amx.cpp), weighted and summed.
 //
 // transformers computes the experts of Qwen2/3-MoE, Mixtral, OLMoE and their kin with torch's grouped matmul
@@ -18,6 +18,10 @@
 // layouts (the linear kernels widen them in registers as they load them) and one scale per output feature, in x's
 // dtype; each product is scaled as torchao scales a weight-only int8 layer's (the product rounded to x's dtype,
 // times the scale, rounded again).
+//
+// GPT-OSS's experts (gate="gpt_oss"): each expert's weights transposed back and its interleaved gate and up
+// columns taken apart into gate rows then up rows (moe.py), float biases added by the linear kernels, and its
+// clamped gate (gpt_oss_gate) in place of silu_mul.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -228,7 +232,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                            gate_up_bias ? std::optional<at::Tensor>((*gate_up_bias)[e]) : std::nullopt);
     if (int8) scale_columns(gu, (*gate_up_scale)[e]);
     const at::Tensor act = gpt_oss ? gpt_oss_gate(gu, inter, alpha, limit) : silu_mul.call(gu);
-    at::Tensor out = linear(act, down[e], hidden, down_bias ? std::optional<at::Tensor>((*down_bias)[e]) : std::nullopt);
+    at::Tensor out =
+        linear(act, down[e], hidden, down_bias ? std::optional<at::Tensor>((*down_bias)[e]) : std::nullopt);
     if (int8) scale_columns(out, (*down_scale)[e]);
     weigh(out, flat_weights, order.data() + start[e], slots);
   };
