@@ -14,7 +14,8 @@ interleaved, biases, a clamped gate: the columns taken apart into gate rows then
 linear kernels, the gate computed with torch's roundings, ``moe_experts``' ``gpt_oss`` gate), and its output
 matches the module's own on random tokens and routing.
 
-:class:`PackedRouter` computes a top-k router's logits (Qwen2/3-MoE's, OLMoE's, Mixtral's) from a packed layer.
+:class:`PackedRouter` computes a top-k router's logits (Qwen2/3-MoE's, OLMoE's, Mixtral's, GPT-OSS's with its bias)
+from a packed layer.
 
 :class:`Int8Experts`: a module of the default arithmetic with its experts quantized to int8 as ``--quantization
 int8-weight-only`` quantizes a linear layer (torchao's ``Int8WeightOnlyConfig``: one symmetric scale per output
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _LAYOUTS = ("fp32_blocks", "bf16_pairs", "bf16_amx")
 # top-k routers whose forward PackedRouter repeats (and their copies, module_match.py: Qwen2-MoE's, OLMoE's, ...)
-_ROUTERS = ("qwen3_moe.Qwen3MoeTopKRouter", "mixtral.MixtralTopKRouter")
+_ROUTERS = ("qwen3_moe.Qwen3MoeTopKRouter", "mixtral.MixtralTopKRouter", "gpt_oss.GptOssTopKRouter")
 _PACK = {"fp32_blocks": "pack_fp32_blocks", "bf16_pairs": "pack_bf16_pairs", "bf16_amx": "pack_bf16_pairs"}
 
 
@@ -154,16 +155,23 @@ class PackedRouter(torch.nn.Module):
     def __init__(self, router: torch.nn.Module, kind: str, prefill: bool = False) -> None:
         super().__init__()
         weight = router.weight.detach()
-        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        bias = router.bias if kind == "GptOssTopKRouter" else None
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.linear = PackedLinear(linear, kernel=True, prefill=prefill)
         self.mixtral = kind == "MixtralTopKRouter"  # a softmax of the logits in fp32, fp32 weights out
+        self.gpt_oss = kind == "GptOssTopKRouter"  # the logits with a bias, a softmax of the top k in their dtype
         self.top_k, self.hidden_dim = int(router.top_k), int(router.hidden_dim)
         self.norm_topk_prob = bool(getattr(router, "norm_topk_prob", True))
 
     def forward(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = self.linear(hidden_states)
+        if self.gpt_oss:
+            top, index = torch.topk(logits, self.top_k, dim=-1)
+            return logits, torch.nn.functional.softmax(top, dim=1, dtype=top.dtype), index
         if self.mixtral:
             top, index = torch.topk(torch.nn.functional.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
             top /= top.sum(dim=-1, keepdim=True)
@@ -206,8 +214,10 @@ def fuse_experts(model: torch.nn.Module, prefill: bool = False) -> int:
 
 def _router_kind(module: torch.nn.Module) -> str | None:
     """The reference router ``module``'s forward repeats, where its weight is a plain packable [experts, hidden]."""
-    weight = getattr(module, "weight", None)
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     if type(weight) is not torch.nn.Parameter or weight.dim() != 2:
+        return None
+    if bias is not None and (type(bias) is not torch.nn.Parameter or bias.shape != weight.shape[:1]):
         return None
     if not packing_supported(weight.dtype, weight.device):
         return None

@@ -160,7 +160,7 @@ def test_fp32_greedy_equals_generate(name, checkpoint, hf_reference):
 # the engine's fused modules each family's layers run with the CPU kernels (common/engine/cpu_linear.py,
 # fused_attention.py, moe.py; copies of the reference classes recognized by module_match.py). A family losing one
 # runs slower without any other test noticing: its tokens stay stock's.
-ROPE, MLP, NORM, EXPERTS = "RopeAttention", "FusedGatedMLP", "FusedRMSNorm", "PackedExperts"
+ROPE, MLP, NORM, EXPERTS, ROUTER = "RopeAttention", "FusedGatedMLP", "FusedRMSNorm", "PackedExperts", "PackedRouter"
 SCALED = "FusedScaledRMSNorm"  # Gemma's x / rms(x) * (1 + w)
 FUSED = {
     "qwen3": {ROPE, MLP, NORM},
@@ -170,12 +170,12 @@ FUSED = {
     "gemma": {ROPE, MLP, SCALED},  # a GeLU MLP
     "gemma2": {ROPE, MLP, SCALED},  # a soft cap, passed on to the attention function
     "gemma3": {ROPE, MLP, SCALED},  # Gemma-style q/k norms
-    "mixtral": {ROPE, NORM, EXPERTS},
-    "qwen2_moe": {ROPE, MLP, NORM, EXPERTS},  # the shared expert a gated MLP
-    "qwen3_moe": {ROPE, NORM, EXPERTS},
-    "olmoe": {NORM, EXPERTS},  # q/k norms over all heads at once: its own attention
-    "phimoe": {ROPE, EXPERTS},  # LayerNorm
-    "gpt_oss": {EXPERTS},  # a clamped gate with biases, transposed and interleaved weights
+    "mixtral": {ROPE, NORM, EXPERTS, ROUTER},
+    "qwen2_moe": {ROPE, MLP, NORM, EXPERTS, ROUTER},  # the shared expert a gated MLP
+    "qwen3_moe": {ROPE, NORM, EXPERTS, ROUTER},
+    "olmoe": {NORM, EXPERTS, ROUTER},  # q/k norms over all heads at once: its own attention
+    "phimoe": {ROPE, EXPERTS},  # LayerNorm; a router of its own (sparsemixer)
+    "gpt_oss": {EXPERTS, ROUTER},  # a clamped gate with biases, transposed and interleaved weights
 }
 
 
@@ -185,7 +185,7 @@ def test_each_family_runs_the_fused_modules_it_fits(name, checkpoint):
         pytest.skip("CPU kernels unavailable")
     engine = LLMEngine(load_model(checkpoint(name, SERVED)), EngineConfig(num_kv_blocks=32))
     kinds = {type(m).__name__ for m in engine.loaded.model.modules()}
-    assert kinds & {ROPE, MLP, NORM, SCALED, EXPERTS} == FUSED[name]
+    assert kinds & {ROPE, MLP, NORM, SCALED, EXPERTS, ROUTER} == FUSED[name]
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralAttention, MixtralRMSNorm, MixtralTopKRouter
 from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeRMSNorm, Qwen3MoeTopKRouter
@@ -167,6 +167,28 @@ def test_packed_routers_pick_what_the_model_picks(cls, config, dtype):
     for g, w in zip(got[:2], want[:2]):
         assert g.dtype == w.dtype and g.shape == w.shape
         torch.testing.assert_close(g.float(), w.float(), rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_gpt_oss_router_picks_what_the_model_picks(dtype):
+    """GPT-OSS's router: logits with a bias, the top k, a softmax over them in the logits' dtype."""
+    router = GptOssTopKRouter(transformers.GptOssConfig(hidden_size=HIDDEN, num_local_experts=EXPERTS,
+                                                        num_experts_per_tok=TOP_K))  # fmt: skip
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.bias.copy_(torch.randn(router.bias.shape, generator=g) * 3)  # a bias that changes the choice
+    router = router.to(dtype)
+    assert _router_kind(router) == "GptOssTopKRouter"
+    packed = PackedRouter(router, "GptOssTopKRouter")
+    x = torch.randn(11, HIDDEN, generator=g).to(dtype)
+    with torch.inference_mode():
+        got, want = packed(x), router(x)
+        unbiased = torch.topk(torch.nn.functional.linear(x, router.weight), TOP_K, dim=-1).indices
+    assert torch.equal(got[2], want[2]) and not torch.equal(got[2], unbiased)
+    for g_, w in zip(got[:2], want[:2]):
+        assert g_.dtype == w.dtype and g_.shape == w.shape
+        torch.testing.assert_close(g_.float(), w.float(), rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5)
 
 
 def test_a_router_of_its_own_keeps_the_model_module():
