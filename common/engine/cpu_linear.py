@@ -56,6 +56,9 @@ _GATED_MLPS = ("llama.LlamaMLP", "qwen2.Qwen2MLP", "qwen3.Qwen3MLP", "mistral.Mi
 _GATE_UP_MLPS = ("phi3.Phi3MLP",)
 # Gemma's RMSNorm: x / rms(x) * (1 + weight), in fp32, rounded once (Gemma 2's, Gemma 3's: copies)
 _GEMMA_STYLE_NORMS = ("gemma.GemmaRMSNorm",)
+# RMSNorms computing x / rms(x) * weight in fp32, rounded once (Llama's rounds x / rms(x) first): GPT-OSS's, OLMo 2's
+# (and copies: OLMoE's ...)
+_WEIGHTED_NORMS = ("gpt_oss.GptOssRMSNorm", "olmo2.Olmo2RMSNorm")
 # the activations of a gated MLP the engine's kernels compute (torch.ops.pdserve.<op>), by transformers' class name
 _ACT_MUL = {"SiLUActivation": "silu_mul", "SiLU": "silu_mul", "GELUTanh": "gelu_tanh_mul"}
 
@@ -352,12 +355,13 @@ class FusedRMSNorm(torch.nn.Module):
 
 class FusedScaledRMSNorm(torch.nn.Module):
     """Gemma's RMSNorm (``x / rms(x) * (1 + weight)``, in fp32, rounded once) as one call of the engine's kernel
-    (``torch.ops.pdserve.rms_norm_scaled``), 1 + weight computed once."""
+    (``torch.ops.pdserve.rms_norm_scaled``), 1 + weight computed once; ``offset=0``: GPT-OSS's and OLMo 2's
+    (``x / rms(x) * weight``, the same roundings)."""
 
-    def __init__(self, norm: torch.nn.Module) -> None:
+    def __init__(self, norm: torch.nn.Module, offset: float = 1.0) -> None:
         super().__init__()
-        self.register_buffer("scale", (1.0 + norm.weight.detach().float()).contiguous())
-        self.eps = float(norm.eps)
+        self.register_buffer("scale", (offset + norm.weight.detach().float()).contiguous())
+        self.eps = float(norm.eps if offset else norm.variance_epsilon)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.pdserve.rms_norm_scaled(x, self.scale, self.eps)
@@ -445,8 +449,9 @@ def _swap_if_equal(parent: torch.nn.Module, name: str, child: torch.nn.Module, f
 
 def fuse_rms_norms(model: torch.nn.Module, kernel: bool = False) -> int:
     """Replace each Llama-style RMSNorm of ``model`` by a :class:`FusedRMSNorm` (on the engine's C++ kernel
-    when ``kernel``: the caller checked that it loaded), and with the kernel each Gemma-style one by a
-    :class:`FusedScaledRMSNorm`, whose output matches it on a random input; returns how many."""
+    when ``kernel``: the caller checked that it loaded), and with the kernel each Gemma-style one (or one of
+    :data:`_WEIGHTED_NORMS`) by a :class:`FusedScaledRMSNorm`, whose output matches it on a random input; returns
+    how many."""
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -458,6 +463,9 @@ def fuse_rms_norms(model: torch.nn.Module, kernel: bool = False) -> int:
             elif (kernel and isinstance(getattr(child, "eps", None), float) and weight.dtype in _PACKABLE_DTYPES
                     and same_forward(type(child), _GEMMA_STYLE_NORMS)):  # fmt: skip
                 fused = FusedScaledRMSNorm(child)
+            elif (kernel and isinstance(getattr(child, "variance_epsilon", None), float)
+                    and weight.dtype in _PACKABLE_DTYPES and same_forward(type(child), _WEIGHTED_NORMS)):  # fmt: skip
+                fused = FusedScaledRMSNorm(child, offset=0.0)
             else:
                 continue
             x = torch.randn(3, weight.shape[-1], dtype=weight.dtype)

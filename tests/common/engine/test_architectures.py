@@ -173,9 +173,11 @@ FUSED = {
     "mixtral": {ROPE, NORM, EXPERTS, ROUTER},
     "qwen2_moe": {ROPE, MLP, NORM, EXPERTS, ROUTER},  # the shared expert a gated MLP
     "qwen3_moe": {ROPE, NORM, EXPERTS, ROUTER},
+    "olmo2": {MLP, SCALED},  # GPT-OSS's norms; q/k norms over all heads at once: its own attention
+    "olmo3": {MLP, SCALED},
     "olmoe": {NORM, EXPERTS, ROUTER},  # q/k norms over all heads at once: its own attention
     "phimoe": {ROPE, EXPERTS},  # LayerNorm; a router of its own (sparsemixer)
-    "gpt_oss": {EXPERTS, ROUTER},  # a clamped gate with biases, transposed and interleaved weights
+    "gpt_oss": {EXPERTS, ROUTER, SCALED},  # its experts: a clamped gate, biases; norms x / rms(x) * w, one rounding
 }
 
 

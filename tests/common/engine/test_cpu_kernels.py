@@ -255,6 +255,34 @@ def test_rms_norm_scaled_matches_gemmas_norm(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["gpt_oss", "olmo2"])
+def test_weighted_norms_fuse_as_the_scaled_norm_without_its_offset(dtype, family):
+    """GPT-OSS's and OLMo 2's x / rms(x) * w in fp32, rounded once: FusedScaledRMSNorm over w (no 1 +) gives it,
+    bf16 the same roundings but where the sum of squares adds in another order."""
+    import importlib
+
+    from common.engine.cpu_linear import FusedScaledRMSNorm, fuse_rms_norms
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = getattr(module, "GptOssRMSNorm" if family == "gpt_oss" else "Olmo2RMSNorm")
+    g = torch.Generator().manual_seed(4)
+    parent = torch.nn.Module()
+    parent.norm = cls(512, eps=1e-5)
+    parent.norm.weight.data.copy_(torch.randn(512, generator=g))
+    parent = parent.to(dtype)
+    norm = parent.norm
+    assert fuse_rms_norms(parent, kernel=True) == 1 and type(parent.norm) is FusedScaledRMSNorm
+    x = (torch.randn(7, 512, generator=g) * 3).to(dtype)
+    with torch.inference_mode():
+        got, expected = parent.norm(x), norm(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    else:
+        assert (got == expected).float().mean() > 0.99
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 16, 300])
 def test_gelu_tanh_mul_matches_pytorch(dtype, rows):
     """gelu(gate, approximate="tanh") * up (Gemma's gated MLP) with PyTorch's formula and two roundings in bf16; the
