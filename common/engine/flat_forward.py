@@ -1,5 +1,5 @@
-"""A Llama, Qwen2, Qwen3 or Mistral model (or a Qwen2/3-MoE, Mixtral, Gemma, Gemma 2 or Gemma 3 one) run by the
-engine as one loop over its layers, without the module tree.
+"""A Llama, Qwen2, Qwen3 or Mistral model (or a Qwen2/3-MoE, Mixtral, Gemma, Gemma 2, Gemma 3 or GPT-OSS one) run
+by the engine as one loop over its layers, without the module tree.
 
 Once :mod:`common.engine.cpu_linear` and :mod:`common.engine.fused_attention` have swapped in the engine's
 fused modules, a decoder layer is six operator calls (the q/k/v product, the rotary kernel, the paged attention,
@@ -21,8 +21,10 @@ own forward). The Gemma families (:data:`_GEMMA_LAYOUTS`) take a loop of their o
 scaling, :class:`~common.engine.cpu_linear.FusedScaledRMSNorm` norms (Gemma 2 and 3: also around the MLP and
 after the attention, each sublayer's output normed before its residual addition), Gemma 3's rotation by layer
 type, Gemma 2's soft caps (the attention's through the paged attention's plain-op path, the final logits' as its
-causal-LM forward computes it). On a 2-core Zen 4 VM (fp32, the 60M shape, 4 alternations in one process): one
-stream 1.20x the module tree's speed (Gemma), 1.12x (Gemma 2), 1.17x (Gemma 3); 16 streams 1.16x, 0.97x, 1.14x.
+causal-LM forward computes it); GPT-OSS takes it too (Llama's layer over norms of one rounding, its MLP's router
+scores dropped as its layer drops them). On a 2-core Zen 4 VM (fp32, the 60M shape, 4 alternations in one
+process): one stream 1.20x the module tree's speed (Gemma), 1.12x (Gemma 2), 1.17x (Gemma 3); 16 streams 1.16x,
+0.97x, 1.14x.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 from common.engine.attention import ATTENTION_NAME, METADATA_KWARG, AttentionMetadata, paged_attention
 from common.engine.cpu_linear import FusedGatedMLP, FusedRMSNorm, FusedScaledRMSNorm
 from common.engine.fused_attention import RopeAttention
-from common.engine.moe import PackedExperts
+from common.engine.moe import PackedExperts, PackedRouter
 
 # the causal-LM classes whose forward FlatForward repeats, with their inner model and decoder layer classes
 _LAYOUTS = {
@@ -50,11 +52,13 @@ _LAYOUTS = {
 _MOE_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock"})
 # Gemma's: scaled embeddings, Gemma-style norms (FusedScaledRMSNorm), a GeLU gated MLP; Gemma 2 and 3 also norm
 # each sublayer's output before its residual addition ("sandwich" norms) and may cap the logits softly; Gemma 3
-# rotates by its layer type's rotary embedding
+# rotates by its layer type's rotary embedding. GPT-OSS takes the same loop: Llama's layer over norms of one rounding
+# (FusedScaledRMSNorm), its MLP a router over packed experts returning (output, router scores)
 _GEMMA_LAYOUTS = {
     "GemmaForCausalLM": ("GemmaModel", "GemmaDecoderLayer", "GemmaTextScaledWordEmbedding"),
     "Gemma2ForCausalLM": ("Gemma2Model", "Gemma2DecoderLayer", "Gemma2TextScaledWordEmbedding"),
     "Gemma3ForCausalLM": ("Gemma3TextModel", "Gemma3DecoderLayer", "Gemma3TextScaledWordEmbedding"),
+    "GptOssForCausalLM": ("GptOssModel", "GptOssDecoderLayer", "Embedding"),
 }
 _SANDWICH_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
@@ -79,6 +83,7 @@ class FlatForward:
         # Gemma 3: each layer's rotary embedding by its type
         self.layer_types = list(inner.config.layer_types) if type(model).__name__ == "Gemma3ForCausalLM" else None
         self.softcap = getattr(model.config, "final_logit_softcapping", None) if self.gemma else None
+        self.mlp_tuple = type(model).__name__ == "GptOssForCausalLM"  # GptOssMLP: (output, router scores)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> FlatForward | None:
@@ -104,10 +109,10 @@ class FlatForward:
             if type(layer).__name__ != names[1]:
                 return None
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            if type(model).__name__ != "GemmaForCausalLM" and gemma:
+            if type(model).__name__ in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
                 norms += [getattr(layer, n, None) for n in _SANDWICH_NORMS]
             if not (all(type(n) is norm for n in norms) and type(layer.self_attn) is RopeAttention
-                    and (type(layer.mlp) is FusedGatedMLP if gemma else _fused_mlp(layer.mlp))):  # fmt: skip
+                    and (_gemma_mlp(layer.mlp) if gemma else _fused_mlp(layer.mlp))):  # fmt: skip
                 return None
         return cls(model)
 
@@ -155,9 +160,10 @@ class FlatForward:
             out, _ = paged_attention(inner, q, k, v, None, dropout=0.0, scaling=inner.scaling, **attention.extra,
                                      **meta)  # fmt: skip
             out = inner.o_proj.forward(out.reshape(*shape, -1).contiguous())
-            if self.sandwich is None:  # Gemma: Llama's layer
+            if self.sandwich is None:  # Gemma, GPT-OSS: Llama's layer
                 x = x + out
-                x = x + mlp.forward(post_norm.forward(x))
+                m = mlp.forward(post_norm.forward(x))
+                x = x + (m[0] if self.mlp_tuple else m)
             else:
                 pre_mlp, post_mlp = self.sandwich[i]
                 x = x + post_norm.forward(out)
@@ -168,6 +174,14 @@ class FlatForward:
             logits = torch.tanh(logits)
             logits = logits * self.softcap
         return logits
+
+
+def _gemma_mlp(mlp: torch.nn.Module) -> bool:
+    """A FusedGatedMLP, or GPT-OSS's MLP over its packed router and experts."""
+    if type(mlp) is FusedGatedMLP:
+        return True
+    return type(mlp).__name__ == "GptOssMLP" and type(getattr(mlp, "experts", None)) is PackedExperts \
+        and type(getattr(mlp, "router", None)) is PackedRouter  # fmt: skip
 
 
 def _fused_mlp(mlp: torch.nn.Module) -> bool:

@@ -43,9 +43,12 @@ _ROPE_ATTENTIONS = {
     "Gemma2Attention": lambda module: {"sliding_window": module.sliding_window,
                                        "softcap": module.attn_logit_softcapping},
     "Gemma3Attention": lambda module: {"sliding_window": module.sliding_window},
+    # GPT-OSS: Llama's with biases, a window on some layers and a sink logit per query head (its rotary embedding
+    # gives each angle once: the kernel takes cos and sin of half a head, common/engine/csrc/rotary.cpp)
+    "GptOssAttention": lambda module: {"sliding_window": module.sliding_window, "s_aux": module.sinks},
 }
 _REFERENCES = ("llama.LlamaAttention", "qwen2.Qwen2Attention", "qwen3.Qwen3Attention", "mistral.MistralAttention",
-               "phi3.Phi3Attention", "gemma2.Gemma2Attention", "gemma3.Gemma3Attention")
+               "phi3.Phi3Attention", "gemma2.Gemma2Attention", "gemma3.Gemma3Attention", "gpt_oss.GptOssAttention")
 
 
 class RopeAttention(torch.nn.Module):
@@ -169,24 +172,30 @@ def _head_norm(norm: torch.nn.Module | None, head_dim: int) -> bool:
 
 
 def _kernel_matches(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel rotates a random q/k exactly as ``modeling.apply_rotary_pos_emb`` does (v untouched)."""
+    """Whether the kernel rotates a random q/k exactly as ``modeling.apply_rotary_pos_emb`` does (v untouched), with
+    the angles as that function takes them: each twice (cos and sin of a whole head, Llama's) or once (of half a
+    head, GPT-OSS's; the other width fails in the model's own function)."""
     apply = getattr(modeling, "apply_rotary_pos_emb", None)
     if apply is None:
         return False
     g = torch.Generator().manual_seed(0)
     tokens, splits = 5, [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     qkv = torch.randn(1, tokens, sum(splits), generator=g).to(dtype)
-    angles = torch.randn(1, tokens, head_dim // 2, generator=g) * 10
-    angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    half = torch.randn(1, tokens, head_dim // 2, generator=g) * 10
 
     def heads(t: torch.Tensor) -> list[torch.Tensor]:
         return [p.view(1, tokens, -1, head_dim).transpose(1, 2) for p in t.split(splits, dim=-1)]
 
     q, k, v = heads(qkv)
-    with torch.inference_mode():
-        want_q, want_k = apply(q, k, cos, sin)
-        got = qkv.clone()
-        torch.ops.pdserve.rotary_(got, cos, sin, num_q_heads, num_kv_heads, head_dim)
-    got_q, got_k, got_v = heads(got)
-    return torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, v)
+    for angles in (torch.cat((half, half), dim=-1), half):
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        with torch.inference_mode():
+            try:
+                want_q, want_k = apply(q, k, cos, sin)
+            except RuntimeError:  # not this width
+                continue
+            got = qkv.clone()
+            torch.ops.pdserve.rotary_(got, cos, sin, num_q_heads, num_kv_heads, head_dim)
+        got_q, got_k, got_v = heads(got)
+        return torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, v)
+    return False

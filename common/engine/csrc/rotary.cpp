@@ -34,7 +34,7 @@ using pdserve::to_float;
 // vectorizes the loop below with 512-bit vectors for Zen 4, with 256-bit ones for Sapphire Rapids, whose tuning
 // prefers them; rotary_ alone on Zen 4, bf16, 24 heads of 64: 1.02x at 1 and 16 rows, 1.05x at 2,048)
 template <typename T>
-inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
+inline void rotate_head(T* x, const T* c, const T* s, int64_t half, int64_t second) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   using pdserve::load16;
@@ -44,8 +44,8 @@ inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
     const __m512 x1 = load16(x + i), x2 = load16(x + i + half);
     const __m512 a1 = round16<T>(_mm512_mul_ps(x1, load16(c + i)));
     const __m512 b1 = round16<T>(_mm512_mul_ps(x2, load16(s + i)));
-    const __m512 a2 = round16<T>(_mm512_mul_ps(x2, load16(c + i + half)));
-    const __m512 b2 = round16<T>(_mm512_mul_ps(x1, load16(s + i + half)));
+    const __m512 a2 = round16<T>(_mm512_mul_ps(x2, load16(c + i + second)));
+    const __m512 b2 = round16<T>(_mm512_mul_ps(x1, load16(s + i + second)));
     store16(x + i, _mm512_sub_ps(a1, b1));
     store16(x + i + half, _mm512_add_ps(a2, b2));
   }
@@ -54,8 +54,8 @@ inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
     const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
     const float a1 = to_float(round_to<T>(x1 * to_float(c[i])));
     const float b1 = to_float(round_to<T>(x2 * to_float(s[i])));
-    const float a2 = to_float(round_to<T>(x2 * to_float(c[i + half])));
-    const float b2 = to_float(round_to<T>(x1 * to_float(s[i + half])));
+    const float a2 = to_float(round_to<T>(x2 * to_float(c[i + second])));
+    const float b2 = to_float(round_to<T>(x1 * to_float(s[i + second])));
     x[i] = round_to<T>(a1 - b1);
     x[i + half] = round_to<T>(a2 + b2);
   }
@@ -63,7 +63,7 @@ inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
 
 template <typename T>
 void rotary_rows(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_stride, int64_t cs_stride,
-                 int64_t heads, int64_t head_dim) {
+                 int64_t heads, int64_t head_dim, int64_t second) {
   // about 32K elements a chunk, and a batch of rows at least in halves (16 decode rows of 24 heads of 64: 1.6x)
   const int64_t chunk =
       std::max<int64_t>(1, std::min<int64_t>((rows + 1) / 2, (int64_t{1} << 15) / std::max<int64_t>(1, heads * head_dim)));
@@ -72,13 +72,14 @@ void rotary_rows(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_s
       T* x = qkv + r * row_stride;
       const T* c = cos + r * cs_stride;
       const T* s = sin + r * cs_stride;
-      for (int64_t h = 0; h < heads; ++h) rotate_head(x + h * head_dim, c, s, head_dim / 2);
+      for (int64_t h = 0; h < heads; ++h) rotate_head(x + h * head_dim, c, s, head_dim / 2, second);
     }
   });
 }
 
 // qkv [..., T, (Hq + 2 Hkv) D]: the first Hq + Hkv heads of each row (queries, then keys) rotated in place; values
-// untouched. cos, sin [..., T, D] (one row a token, as transformers' rotary embedding gives them), qkv's dtype.
+// untouched. cos, sin [..., T, D] (one row a token, as transformers' rotary embedding gives them; [..., T, D / 2]:
+// each angle once, GPT-OSS's, both halves rotated by it), qkv's dtype.
 void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
              int64_t head_dim) {
   TORCH_CHECK(qkv.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
@@ -92,8 +93,11 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
   at::Tensor rows = qkv.view({-1, qkv.size(-1)});  // fails (rather than copies) where the rows are not one stride
   const int64_t n = rows.size(0);
   at::Tensor c = cos.reshape({-1, cos.size(-1)}), s = sin.reshape({-1, sin.size(-1)});
-  TORCH_CHECK(c.size(0) == n && c.size(1) == head_dim && s.sizes() == c.sizes(),
-              "pdserve::rotary_: cos and sin [..., T, D] for T = ", n, " and D = ", head_dim, ", got ", cos.sizes());
+  TORCH_CHECK(c.size(0) == n && (c.size(1) == head_dim || c.size(1) == head_dim / 2) && s.sizes() == c.sizes(),
+              "pdserve::rotary_: cos and sin [..., T, D] (or [..., T, D / 2]) for T = ", n, " and D = ", head_dim,
+              ", got ", cos.sizes());
+  // the angles of the second half: the second half of cos and sin, or (D / 2 of them: GPT-OSS's) the same
+  const int64_t second = c.size(1) == head_dim ? head_dim / 2 : 0;
   if (c.stride(1) != 1 || s.stride(1) != 1 || c.stride(0) != s.stride(0)) {
     c = c.contiguous();
     s = s.contiguous();
@@ -101,10 +105,10 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
   const int64_t heads = num_q_heads + num_kv_heads;
   if (qkv.scalar_type() == at::kFloat) {
     rotary_rows(rows.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), n, rows.stride(0), c.stride(0),
-                heads, head_dim);
+                heads, head_dim, second);
   } else if (qkv.scalar_type() == at::kBFloat16) {
     rotary_rows(rows.data_ptr<c10::BFloat16>(), c.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(), n,
-                rows.stride(0), c.stride(0), heads, head_dim);
+                rows.stride(0), c.stride(0), heads, head_dim, second);
   } else {
     TORCH_CHECK(false, "pdserve::rotary_ supports float32 and bfloat16, got ", qkv.scalar_type());
   }

@@ -177,7 +177,7 @@ FUSED = {
     "olmo3": {MLP, SCALED},
     "olmoe": {NORM, EXPERTS, ROUTER},  # q/k norms over all heads at once: its own attention
     "phimoe": {ROPE, EXPERTS},  # LayerNorm; a router of its own (sparsemixer)
-    "gpt_oss": {EXPERTS, ROUTER, SCALED},  # its experts: a clamped gate, biases; norms x / rms(x) * w, one rounding
+    "gpt_oss": {ROPE, EXPERTS, ROUTER, SCALED},  # experts: a clamped gate, biases; norms x / rms(x) * w, one rounding
 }
 
 

@@ -375,6 +375,34 @@ def test_rotary_matches_transformers_bit_for_bit(dtype, tokens, heads, dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,dim", [(1, (8, 4), 64), (16, (16, 8), 64), (300, (4, 2), 128), (3, (2, 2), 40)])
+def test_rotary_of_each_angle_once_matches_gpt_oss_bit_for_bit(dtype, tokens, heads, dim):
+    """cos and sin of half a head (GPT-OSS's rotary embedding gives each angle once): both halves rotated by them,
+    as GPT-OSS's apply_rotary_pos_emb rotates, bit for bit."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    num_q, num_kv = heads
+    splits = [num_q * dim, num_kv * dim, num_kv * dim]
+    g = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(1, tokens, sum(splits), generator=g) * 3).to(dtype)
+    angles = torch.rand(1, tokens, dim // 2, generator=g) * 4000
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def parts(t):
+        return [p.view(1, tokens, -1, dim).transpose(1, 2) for p in t.split(splits, -1)]
+
+    q, k, v = parts(qkv)
+    want_q, want_k = modeling_gpt_oss._apply_rotary_emb(q, cos[:, None], sin[:, None]), \
+        modeling_gpt_oss._apply_rotary_emb(k, cos[:, None], sin[:, None])  # fmt: skip
+    got = qkv.clone()
+    torch.ops.pdserve.rotary_(got, cos, sin, num_q, num_kv, dim)
+    got_q, got_k, got_v = parts(got)
+    torch.testing.assert_close(got_q, want_q, rtol=0, atol=0)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
+    torch.testing.assert_close(got_v, v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_rounds_special_values_as_transformers(dtype):
     """Subnormal products (rounded, not flushed to zero), infinities, NaNs and exact ties of the rounding, in the
     kernel's vector lanes (heads of 64: 32 pairs) as in its tail (heads of 40)."""

@@ -23,8 +23,8 @@ from tests.common.engine.moe_models import MOE_FAMILIES, build_moe
 from tests.common.engine.test_engine_oracle import GREEDY, make_prompts
 from tests.conftest import hf_greedy
 
-# Gemma's families (their own flat loop): two layers, a window of 24 on Gemma 2's and 3's first (their soft caps
-# on the attention and final logits at transformers' defaults: 50 and 30)
+# Gemma's families and GPT-OSS (their own flat loop): two layers, a window of 24 on the first of Gemma 2's, Gemma
+# 3's and GPT-OSS's (Gemma 2's soft caps on the attention and final logits at transformers' defaults: 50 and 30)
 _GEMMA_BASE = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=32, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
                    pad_token_id=0)  # fmt: skip
@@ -33,6 +33,8 @@ GEMMA_FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", _WINDOWED),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", _WINDOWED),
+    # the same loop: GPT-OSS's sinks, biases, packed experts and router
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, **_WINDOWED)),
 }
 
 
@@ -86,9 +88,10 @@ def test_taken_where_the_layout_fits(model_dir, tiny_model_dir):
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen2", {"sliding_window": 24}),
                                             ("qwen3", {}), ("qwen3", {"sliding_window": 24}),
                                             ("mistral", {"sliding_window": 24}), ("qwen3_moe", {}), ("mixtral", {}),
-                                            ("qwen2_moe", {}), ("gemma", {}), ("gemma2", {}), ("gemma3", {})],
+                                            ("qwen2_moe", {}), ("gemma", {}), ("gemma2", {}), ("gemma3", {}),
+                                            ("gpt_oss", {})],
                          ids=["llama", "qwen2", "qwen2-window", "qwen3", "qwen3-window", "mistral-window", "qwen3_moe",
-                              "mixtral", "qwen2_moe", "gemma", "gemma2", "gemma3"])  # fmt: skip
+                              "mixtral", "qwen2_moe", "gemma", "gemma2", "gemma3", "gpt_oss"])  # fmt: skip
 def test_logits_equal_the_models_own_on_every_step(arch, overrides, model_dir, hf_reference):
     """Prompts arriving while others decode (steps of decode + prefill), every step's logits both ways (the
     runner's one check made to run on every step). MoE models: packed experts in the layers' sparse blocks. Gemma
