@@ -17,14 +17,13 @@ and the MoE families above) whose every decoder layer holds :class:`~common.engi
 a :class:`~common.engine.fused_attention.RopeAttention` and a :class:`~common.engine.cpu_linear.FusedGatedMLP` (or
 a MoE block over :class:`~common.engine.moe.PackedExperts`),
 the engine's paged attention registered, no hooks, and no process group (tensor parallelism runs the model's
-own forward). The Gemma families (:data:`_GEMMA_LAYOUTS`) take a loop of their own: their embedding module's
-scaling, :class:`~common.engine.cpu_linear.FusedScaledRMSNorm` norms (Gemma 2 and 3: also around the MLP and
-after the attention, each sublayer's output normed before its residual addition), Gemma 3's rotation by layer
-type, Gemma 2's soft caps (the attention's through the paged attention's plain-op path, the final logits' as its
-causal-LM forward computes it); GPT-OSS takes it too (Llama's layer over norms of one rounding, its MLP's router
-scores dropped as its layer drops them). On a 2-core Zen 4 VM (fp32, the 60M shape, 4 alternations in one
-process): one stream 1.20x the module tree's speed (Gemma), 1.12x (Gemma 2), 1.17x (Gemma 3); 16 streams 1.16x,
-0.97x, 1.14x.
+own forward). The Gemma families and GPT-OSS (:data:`_OWN_LOOP_LAYOUTS`) take a loop of their own: the
+embedding module's scaling, :class:`~common.engine.cpu_linear.FusedScaledRMSNorm` norms (Gemma 2 and 3: also
+around the MLP and after the attention, each sublayer's output normed before its residual addition), Gemma 3's
+rotation by layer type, Gemma 2's soft caps (the attention's through the paged attention, the final logits' as
+its causal-LM forward computes them), GPT-OSS's layer (Llama's over norms of one rounding, its MLP's router scores
+dropped as its layer drops them). On a 2-core Zen 4 VM (fp32, the 60M shape, 4 alternations in one process): one
+stream 1.20x the module tree's speed (Gemma), 1.12x (Gemma 2), 1.17x (Gemma 3); 16 streams 1.16x, 0.97x, 1.14x.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ _MOE_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Mi
 # each sublayer's output before its residual addition ("sandwich" norms) and may cap the logits softly; Gemma 3
 # rotates by its layer type's rotary embedding. GPT-OSS takes the same loop: Llama's layer over norms of one rounding
 # (FusedScaledRMSNorm), its MLP a router over packed experts returning (output, router scores)
-_GEMMA_LAYOUTS = {
+_OWN_LOOP_LAYOUTS = {
     "GemmaForCausalLM": ("GemmaModel", "GemmaDecoderLayer", "GemmaTextScaledWordEmbedding"),
     "Gemma2ForCausalLM": ("Gemma2Model", "Gemma2DecoderLayer", "Gemma2TextScaledWordEmbedding"),
     "Gemma3ForCausalLM": ("Gemma3TextModel", "Gemma3DecoderLayer", "Gemma3TextScaledWordEmbedding"),
@@ -76,20 +75,20 @@ class FlatForward:
         self.norm = inner.norm
         self.lm_head = model.lm_head
         self.verified = False  # set by the model runner once the logits equalled the model's own
-        self.gemma = type(model).__name__ in _GEMMA_LAYOUTS
+        self.own_loop = type(model).__name__ in _OWN_LOOP_LAYOUTS  # Gemma's families, GPT-OSS: _own_loop
         # Gemma 2/3: each layer's norms before and after its MLP
         self.sandwich = [tuple(getattr(layer, n) for n in _SANDWICH_NORMS) for layer in layers] \
-            if self.gemma and hasattr(layers[0], _SANDWICH_NORMS[0]) else None  # fmt: skip
+            if self.own_loop and hasattr(layers[0], _SANDWICH_NORMS[0]) else None  # fmt: skip
         # Gemma 3: each layer's rotary embedding by its type
         self.layer_types = list(inner.config.layer_types) if type(model).__name__ == "Gemma3ForCausalLM" else None
-        self.softcap = getattr(model.config, "final_logit_softcapping", None) if self.gemma else None
+        self.softcap = getattr(model.config, "final_logit_softcapping", None) if self.own_loop else None
         self.mlp_tuple = type(model).__name__ == "GptOssForCausalLM"  # GptOssMLP: (output, router scores)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> FlatForward | None:
         """A FlatForward over ``model``, or None when its layout is not the one this repeats."""
-        gemma = type(model).__name__ in _GEMMA_LAYOUTS
-        names = (_GEMMA_LAYOUTS if gemma else _LAYOUTS).get(type(model).__name__)
+        own_loop = type(model).__name__ in _OWN_LOOP_LAYOUTS
+        names = (_OWN_LOOP_LAYOUTS if own_loop else _LAYOUTS).get(type(model).__name__)
         inner = getattr(model, "model", None)
         if names is None or type(inner).__name__ != names[0]:
             return None
@@ -97,8 +96,8 @@ class FlatForward:
             return None
         if getattr(inner.config, "_attn_implementation", None) != ATTENTION_NAME:
             return None
-        norm = FusedScaledRMSNorm if gemma else FusedRMSNorm
-        embedding = names[2] if gemma else "Embedding"
+        norm = FusedScaledRMSNorm if own_loop else FusedRMSNorm
+        embedding = names[2] if own_loop else "Embedding"
         if type(inner.embed_tokens).__name__ != embedding or type(inner.norm) is not norm:
             return None
         if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
@@ -112,7 +111,7 @@ class FlatForward:
             if type(model).__name__ in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
                 norms += [getattr(layer, n, None) for n in _SANDWICH_NORMS]
             if not (all(type(n) is norm for n in norms) and type(layer.self_attn) is RopeAttention
-                    and (_gemma_mlp(layer.mlp) if gemma else _fused_mlp(layer.mlp))):  # fmt: skip
+                    and (_own_loop_mlp(layer.mlp) if own_loop else _fused_mlp(layer.mlp))):  # fmt: skip
                 return None
         return cls(model)
 
@@ -120,8 +119,8 @@ class FlatForward:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionMetadata,
                  logits_index: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Logits [1, S, V] (the model's dtype) of the packed tokens at ``logits_index`` [S] (S > 0)."""
-        if self.gemma:
-            return self._gemma(input_ids, position_ids, attn, logits_index)
+        if self.own_loop:
+            return self._own_loop(input_ids, position_ids, attn, logits_index)
         x = self.embed.forward(input_ids)  # a fresh tensor: the layers add into it in place (add_forward)
         position_embeddings = self.rotary.forward(x, position_ids)
         meta = {METADATA_KWARG: attn}
@@ -141,10 +140,10 @@ class FlatForward:
         # after the last layer only the kept rows are needed: added and normed alone (norms work per row)
         return self.lm_head.forward(self.norm.forward(x[:, logits_index, :] + m[:, logits_index, :]))
 
-
-    def _gemma(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionMetadata,
+    def _own_loop(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionMetadata,
                logits_index: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """The Gemma families' loop (:data:`_GEMMA_LAYOUTS`): the additions as the decoder layers write them."""
+        """The loop of the Gemma families and GPT-OSS (:data:`_OWN_LOOP_LAYOUTS`): the additions as their decoder
+        layers write them."""
         x = self.embed.forward(input_ids)  # scaled by the embedding module itself
         if self.layer_types is None:
             shared = self.rotary.forward(x, position_ids)
@@ -176,7 +175,7 @@ class FlatForward:
         return logits
 
 
-def _gemma_mlp(mlp: torch.nn.Module) -> bool:
+def _own_loop_mlp(mlp: torch.nn.Module) -> bool:
     """A FusedGatedMLP, or GPT-OSS's MLP over its packed router and experts."""
     if type(mlp) is FusedGatedMLP:
         return True
