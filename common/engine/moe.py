@@ -17,7 +17,7 @@ matches the module's own on random tokens and routing.
 :class:`PackedRouter` computes a top-k router's logits (Qwen2/3-MoE's, OLMoE's, Mixtral's, GPT-OSS's with its bias)
 from a packed layer.
 
-:class:`Int8Experts`: a module of the default arithmetic with its experts quantized to int8 as ``--quantization
+:class:`Int8Experts`: such a module (either arithmetic) with its experts quantized to int8 as ``--quantization
 int8-weight-only`` quantizes a linear layer (torchao's ``Int8WeightOnlyConfig``: one symmetric scale per output
 feature of each expert), computed as torchao computes such a layer; :func:`quantize_experts` swaps it in
 (common/engine/quantization.py), and :class:`PackedExperts` takes its int8 values into the kernels' layouts, which
@@ -42,11 +42,12 @@ _PACK = {"fp32_blocks": "pack_fp32_blocks", "bf16_pairs": "pack_bf16_pairs", "bf
 
 
 class Int8Experts(torch.nn.Module):
-    """An experts module of transformers' default arithmetic (see the module doc) with each expert's weights int8,
-    one symmetric scale per output feature, as torchao's ``Int8WeightOnlyConfig`` quantizes a linear layer; each
-    product computed as torchao computes one (the activations times the int8 values cast to their dtype, then times
-    the scales), the rest op for op transformers' eager experts loop. The engine's kernels run it through
-    :class:`PackedExperts`; this forward runs where they do not, and is their reference."""
+    """An experts module of transformers' default arithmetic or GPT-OSS's (see the module doc) with each expert's
+    weights int8, one symmetric scale per output feature, as torchao's ``Int8WeightOnlyConfig`` quantizes a linear
+    layer; each product computed as torchao computes one (the activations times the int8 values cast to their
+    dtype, then times the scales, then plus the bias), the rest op for op transformers' eager experts loop (GPT-OSS's
+    with its own gate). The engine's kernels run it through :class:`PackedExperts`; this forward runs where they do
+    not, and is their reference."""
 
     def __init__(self, experts: torch.nn.Module) -> None:
         super().__init__()
@@ -55,10 +56,21 @@ class Int8Experts(torch.nn.Module):
 
         granularity = Int8WeightOnlyConfig(set_inductor_config=False).granularity
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        # GPT-OSS's: transposed (each expert's output features as rows, as a linear layer's), gate and up rows
+        # interleaved, biases, its own gate
+        self.gpt_oss = _gpt_oss_arithmetic(experts)
+        if self.gpt_oss:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+            self.register_buffer("gate_up_bias", experts.gate_up_proj_bias.detach().clone())
+            self.register_buffer("down_bias", experts.down_proj_bias.detach().clone())
+            self.alpha, self.limit = experts.alpha, experts.limit
+        else:
+            self.register_buffer("gate_up_bias", None)
+            self.register_buffer("down_bias", None)
+            self.act_fn = experts.act_fn
         self.dtype = gate_up.dtype
         self.num_experts, two_inter, self.hidden = gate_up.shape
         self.inter = two_inter // 2
-        self.act_fn = experts.act_fn
         for name, weight in (("gate_up", gate_up), ("down", down)):
             # the experts' rows one after another: a scale per row is a scale per expert and output feature
             q = Int8Tensor.from_hp(weight.reshape(-1, weight.shape[2]), granularity)
@@ -70,28 +82,42 @@ class Int8Experts(torch.nn.Module):
         for e in top_k_index.unique().tolist():
             token_idx, top_k_pos = torch.where(top_k_index == e)
             rows = hidden_states[token_idx]
-            gate, up = (torch.mm(rows, self.gate_up[e].t().to(rows.dtype)) * self.gate_up_scale[e]).chunk(2, dim=-1)
-            act = self.act_fn(gate) * up
-            y = torch.mm(act, self.down[e].t().to(act.dtype)) * self.down_scale[e]
-            y = y * top_k_weights[token_idx, top_k_pos, None]
+            gate_up = self._product(rows, "gate_up", e)
+            if self.gpt_oss:
+                from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+                act = GptOssExperts._apply_gate(self, gate_up)  # reads alpha and limit
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = self.act_fn(gate) * up
+            y = self._product(act, "down", e) * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
+
+    def _product(self, rows: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        """Expert ``e``'s product ``name`` as torchao computes a weight-only int8 layer's: over the int8 values cast to
+        the input dtype, times the scales, plus the bias."""
+        y = torch.mm(rows, getattr(self, name)[e].t().to(rows.dtype)) * getattr(self, f"{name}_scale")[e]
+        bias = getattr(self, f"{name}_bias")
+        if bias is not None:
+            y += bias[e]
+        return y
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, int8"
 
 
 def quantize_experts(model: torch.nn.Module) -> tuple[list[str], list[str]]:
-    """Replace each experts module of ``model`` that transformers' default arithmetic covers (see the module doc)
-    by an :class:`Int8Experts`; returns the qualified names of those replaced and of the experts modules kept in
-    full precision (their own arithmetic: GPT-OSS's)."""
+    """Replace each experts module of ``model`` of transformers' default arithmetic or GPT-OSS's (see the module
+    doc) by an :class:`Int8Experts`; returns the qualified names of those replaced and of the experts modules kept in
+    full precision (any other arithmetic)."""
     done, kept = [], []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             qualified = f"{parent_name}.{name}" if parent_name else name
             if isinstance(child, Int8Experts) or not _has_experts(child):
                 continue
-            if _default_arithmetic(child) and child.gate_up_proj.dtype.is_floating_point:
+            if _default_arithmetic(child) or _gpt_oss_arithmetic(child):
                 setattr(parent, name, Int8Experts(child))
                 done.append(qualified)
             else:
@@ -109,26 +135,32 @@ class PackedExperts(torch.nn.Module):
         self.layout = layout
         self.int8 = isinstance(experts, Int8Experts)
         self.gate, self.alpha, self.limit = "silu", 0.0, 0.0
-        if self.int8:
+        scales = biases = None
+        if self.int8:  # each expert's output features as rows: [E, 2I, H], [E, H, I]
             gate_up, down = experts.gate_up, experts.down
             pack = _int8_blocks if layout == "fp32_blocks" else _int8_pairs
-            self.register_buffer("gate_up_scale", experts.gate_up_scale)
-            self.register_buffer("down_scale", experts.down_scale)
+            scales = [experts.gate_up_scale, experts.down_scale]
+            gpt_oss = experts.gpt_oss
+            if gpt_oss:  # added after the scaling, in the experts' dtype (moe.cpp)
+                biases = [experts.gate_up_bias, experts.down_bias]
         else:
             gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
             pack = getattr(torch.ops.pdserve, _PACK[layout])
-            self.gate_up_scale = self.down_scale = None
-        if _gpt_oss_arithmetic(experts):
-            # [E, H, 2I] with gate and up columns interleaved -> [E, 2I, H], the gate rows first then the up rows
-            two_inter = gate_up.shape[2]
+            gpt_oss = _gpt_oss_arithmetic(experts)
+            if gpt_oss:  # [E, H, 2I] and [E, I, H] transposed; the kernels add a bias in float: converted once
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+                biases = [experts.gate_up_proj_bias.detach().float(), experts.down_proj_bias.detach().float()]
+        if gpt_oss:  # gate and up rows interleaved -> the gate rows first, then the up rows
+            two_inter = gate_up.shape[1]
             order = torch.cat([torch.arange(0, two_inter, 2), torch.arange(1, two_inter, 2)])
-            gate_up, down = gate_up.transpose(1, 2)[:, order], down.transpose(1, 2)
-            # the kernels add a bias in float: converted once
-            self.register_buffer("gate_up_bias", experts.gate_up_proj_bias.detach()[:, order].float().contiguous())
-            self.register_buffer("down_bias", experts.down_proj_bias.detach().float().contiguous())
+            gate_up = gate_up[:, order]
+            biases[0] = biases[0][:, order]
+            if scales is not None:
+                scales[0] = scales[0][:, order]
             self.gate, self.alpha, self.limit = "gpt_oss", float(experts.alpha), float(experts.limit)
-        else:
-            self.gate_up_bias = self.down_bias = None
+        for name, tensors in (("scale", scales), ("bias", biases)):
+            for prefix, t in zip(("gate_up", "down"), tensors or (None, None)):
+                self.register_buffer(f"{prefix}_{name}", None if t is None else t.contiguous())
         self.num_experts, two_inter, self.hidden = gate_up.shape
         self.inter = two_inter // 2
         self.gate_up = torch.nn.Parameter(torch.stack([pack(w) for w in gate_up]), requires_grad=False)

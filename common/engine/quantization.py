@@ -28,9 +28,9 @@ memory and break the tie. On build/llama-60m (untied, fp32), quantizing its LM h
 148 MiB to 101 MiB and teacher-forced greedy agreement with fp32 from 85.0% to 84.6% (512 positions).
 ``int8-weight-only`` quantizes a MoE model's experts too (most of its weights: transformers keeps them as 3-D
 parameters, not ``nn.Linear``): each expert's rows as torchao quantizes a linear layer's, computed as torchao
-computes one (:class:`~common.engine.moe.Int8Experts`; the engine's kernels run them packed,
-:class:`~common.engine.moe.PackedExperts`). Experts of their own arithmetic (GPT-OSS's clamped gate and biases)
-stay in full precision, as do every model's experts under ``int8-dynamic``.
+computes one (:class:`~common.engine.moe.Int8Experts`, transformers' default experts and GPT-OSS's; the engine's
+kernels run them packed, :class:`~common.engine.moe.PackedExperts`). Experts of another arithmetic stay in full
+precision, as do every model's experts under ``int8-dynamic``.
 
 Memory: the replaced full-precision weights are freed. Safetensors memory-maps the checkpoint, and one tensor
 left on that map (the embeddings) keeps the whole file mapped, with the pages of the replaced weights resident:
@@ -111,7 +111,7 @@ def quantize_model(model: torch.nn.Module, method: str) -> list[str]:
     log.info("%s: %d linear layers quantized, weights %.1f MiB -> %.1f MiB; kept (weight shared): %s",
              method, len(targets), before_bytes / 2**20, weight_bytes(model) / 2**20, kept or "none")
     if experts or kept_experts:
-        log.info("%s: %d experts modules quantized; kept in full precision (their own arithmetic): %s",
+        log.info("%s: %d experts modules quantized; kept in full precision (another arithmetic): %s",
                  method, len(experts), kept_experts or "none")
     return targets + experts
 

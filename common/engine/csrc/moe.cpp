@@ -107,19 +107,24 @@ at::Tensor gpt_oss_gate(const at::Tensor& gate_up, int64_t inter, double alpha, 
   return out;
 }
 
-// y[r, j] *= scale[j] in y's dtype (float products, rounded once: what at::mul gives)
+// y[r, j] *= scale[j] in y's dtype (float products, rounded once: what at::mul gives), then y[r, j] += bias[j]
+// where there is a bias (rounded again: torchao adds a weight-only int8 layer's bias after its scaling)
 template <typename T>
-void scale_columns(T* y, const T* scale, int64_t m, int64_t n) {
+void scale_columns(T* y, const T* scale, const T* bias, int64_t m, int64_t n) {
   for (int64_t r = 0; r < m; ++r)
-    for (int64_t j = 0; j < n; ++j)
-      y[r * n + j] = static_cast<T>(static_cast<float>(y[r * n + j]) * static_cast<float>(scale[j]));
+    for (int64_t j = 0; j < n; ++j) {
+      const T scaled = static_cast<T>(static_cast<float>(y[r * n + j]) * static_cast<float>(scale[j]));
+      y[r * n + j] = bias ? static_cast<T>(static_cast<float>(scaled) + static_cast<float>(bias[j])) : scaled;
+    }
 }
 
-void scale_columns(at::Tensor& y, const at::Tensor& scale) {
+void scale_columns(at::Tensor& y, const at::Tensor& scale, const std::optional<at::Tensor>& bias) {
   if (y.scalar_type() == at::kFloat)
-    scale_columns(y.data_ptr<float>(), scale.data_ptr<float>(), y.size(0), y.size(1));
+    scale_columns(y.data_ptr<float>(), scale.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, y.size(0),
+                  y.size(1));
   else
-    scale_columns(y.data_ptr<c10::BFloat16>(), scale.data_ptr<c10::BFloat16>(), y.size(0), y.size(1));
+    scale_columns(y.data_ptr<c10::BFloat16>(), scale.data_ptr<c10::BFloat16>(),
+                  bias ? bias->data_ptr<c10::BFloat16>() : nullptr, y.size(0), y.size(1));
 }
 
 template <typename Out, typename W>
@@ -178,15 +183,19 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   const bool gpt_oss = gate_name == "gpt_oss";
   TORCH_CHECK(gate_up_bias.has_value() == down_bias.has_value(),
               "pdserve::moe_experts: biases for both projections, or for neither");
-  if (gate_up_bias) {
-    TORCH_CHECK(gate_up_bias->scalar_type() == at::kFloat && down_bias->scalar_type() == at::kFloat &&
+  if (gate_up_bias) {  // float, added by the linear kernels; int8 experts': x's dtype, added after the scaling
+    const auto bias_type = int8 ? x.scalar_type() : at::kFloat;
+    TORCH_CHECK(gate_up_bias->scalar_type() == bias_type && down_bias->scalar_type() == bias_type &&
                     gate_up_bias->is_contiguous() && down_bias->is_contiguous() &&
                     gate_up_bias->sizes() == at::IntArrayRef({gate_up.size(0), 2 * inter}) &&
                     down_bias->sizes() == at::IntArrayRef({down.size(0), x.size(1)}),
-                "pdserve::moe_experts: float biases [E, 2 x inter] and [E, hidden], got ", gate_up_bias->sizes(),
-                " and ", down_bias->sizes());
-    TORCH_CHECK(!int8, "pdserve::moe_experts: int8 experts take no biases");
+                "pdserve::moe_experts: biases [E, 2 x inter] and [E, hidden] in ", bias_type, ", got ",
+                gate_up_bias->sizes(), " and ", down_bias->sizes(), " in ", gate_up_bias->scalar_type());
   }
+  // each expert's biases where the linear kernels add them (full precision) or the scaling does (int8)
+  const auto bias_of = [](const std::optional<at::Tensor>& bias, int64_t e) {
+    return bias ? std::optional<at::Tensor>((*bias)[e]) : std::nullopt;
+  };
   const std::string name(layout);
   TORCH_CHECK(name == "fp32_blocks" || name == "bf16_pairs" || name == "bf16_amx",
               "pdserve::moe_experts: layout must be fp32_blocks, bf16_pairs or bf16_amx, got ", name);
@@ -228,13 +237,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     for (int64_t r = 0; r < m; ++r)
       std::memcpy(static_cast<char*>(rows.data_ptr()) + r * row_bytes,
                   static_cast<const char*>(rows_all.data_ptr()) + order[start[e] + r] / k * row_bytes, row_bytes);
-    at::Tensor gu = linear(rows, gate_up[e], 2 * inter,
-                           gate_up_bias ? std::optional<at::Tensor>((*gate_up_bias)[e]) : std::nullopt);
-    if (int8) scale_columns(gu, (*gate_up_scale)[e]);
+    at::Tensor gu = linear(rows, gate_up[e], 2 * inter, int8 ? std::nullopt : bias_of(gate_up_bias, e));
+    if (int8) scale_columns(gu, (*gate_up_scale)[e], bias_of(gate_up_bias, e));
     const at::Tensor act = gpt_oss ? gpt_oss_gate(gu, inter, alpha, limit) : silu_mul.call(gu);
-    at::Tensor out =
-        linear(act, down[e], hidden, down_bias ? std::optional<at::Tensor>((*down_bias)[e]) : std::nullopt);
-    if (int8) scale_columns(out, (*down_scale)[e]);
+    at::Tensor out = linear(act, down[e], hidden, int8 ? std::nullopt : bias_of(down_bias, e));
+    if (int8) scale_columns(out, (*down_scale)[e], bias_of(down_bias, e));
     weigh(out, flat_weights, order.data() + start[e], slots);
   };
   const int64_t n_hit = static_cast<int64_t>(hit.size());

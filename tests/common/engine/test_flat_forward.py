@@ -23,8 +23,8 @@ from tests.common.engine.moe_models import MOE_FAMILIES, build_moe
 from tests.common.engine.test_engine_oracle import GREEDY, make_prompts
 from tests.conftest import hf_greedy
 
-# Gemma's families and GPT-OSS (their own flat loop): two layers, a window of 24 on the first of Gemma 2's, Gemma
-# 3's and GPT-OSS's (Gemma 2's soft caps on the attention and final logits at transformers' defaults: 50 and 30)
+# Gemma's families (their own flat loop, GPT-OSS's too: moe_models.py): two layers, a window of 24 on the first of
+# Gemma 2's and Gemma 3's (Gemma 2's soft caps on the attention and final logits at transformers' defaults: 50, 30)
 _GEMMA_BASE = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=32, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
                    pad_token_id=0)  # fmt: skip
@@ -33,8 +33,6 @@ GEMMA_FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", _WINDOWED),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", _WINDOWED),
-    # the same loop: GPT-OSS's sinks, biases, packed experts and router
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, **_WINDOWED)),
 }
 
 

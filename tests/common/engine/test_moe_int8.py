@@ -25,7 +25,7 @@ from common.engine.moe import Int8Experts, PackedExperts, _fitting, fuse_experts
 from common.engine.quantization import quantize_model, weight_bytes
 from common.engine.sampling_params import SamplingParams
 from tests.common.engine.moe_models import build_moe
-from tests.common.engine.test_moe import AMX_INTER, EXPERTS, HIDDEN, INTER, experts, routing
+from tests.common.engine.test_moe import AMX_INTER, EXPERTS, HIDDEN, INTER, experts, gpt_oss_experts, routing
 from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels unavailable")
@@ -77,6 +77,55 @@ def test_each_expert_is_quantized_and_computed_as_torchao_does_a_linear_layer(dt
         assert torch.equal(quantized.down_scale[e], down.weight.scale.to(dtype).flatten())
     assert quantized.gate_up.dtype == quantized.down.dtype == torch.int8
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_experts_are_quantized_and_computed_as_torchao_does_their_linear_layers(dtype):
+    """GPT-OSS's experts (transposed, biases, its own gate): each expert's products as torchao's int8 layers of its
+    weights and biases, the rest GPT-OSS's eager experts loop, bit for bit."""
+    module = gpt_oss_experts(dtype)
+    quantized = Int8Experts(module)
+    assert quantized.gpt_oss
+    x, index, weights = routing(23, dtype)
+    x = x * 3  # gates past the clamp
+    layers = []
+    for e in range(EXPERTS):
+        pair = torch.nn.ModuleList([torch.nn.Linear(HIDDEN, 2 * INTER), torch.nn.Linear(INTER, HIDDEN)]).to(dtype)
+        with torch.no_grad():
+            pair[0].weight.copy_(module.gate_up_proj[e].t())
+            pair[0].bias.copy_(module.gate_up_proj_bias[e])
+            pair[1].weight.copy_(module.down_proj[e].t())
+            pair[1].bias.copy_(module.down_proj_bias[e])
+        quantize_(pair, Int8WeightOnlyConfig(set_inductor_config=False))
+        layers.append(pair)
+    want = torch.zeros_like(x)
+    with torch.inference_mode():
+        for e in index.unique().tolist():
+            token_idx, top_k_pos = torch.where(index == e)
+            y = layers[e][1](module._apply_gate(layers[e][0](x[token_idx])))
+            want.index_add_(0, token_idx, (y * weights[token_idx, top_k_pos, None]).to(dtype))
+        got = quantized(x, index, weights)
+    assert torch.equal(got, want)
+    assert torch.equal(quantized.gate_up[2], layers[2][0].weight.qdata)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 67])
+def test_packed_int8_gpt_oss_experts_give_the_int8_modules_output(dtype, tokens):
+    quantized = Int8Experts(gpt_oss_experts(dtype))
+    packed = PackedExperts(quantized, int8_layout(quantized))
+    assert packed.int8 and packed.gate == "gpt_oss" and packed.gate_up_bias.dtype == dtype
+    x, index, weights = routing(tokens, dtype)
+    x = x * 3
+    with torch.inference_mode():
+        got, want = packed(x, index, weights), quantized(x, index, weights)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:  # bf16 roundings apart: the module's own error against the same int8 arithmetic in fp32 bounds it
+        exact_module = copy.deepcopy(quantized).float()
+        with torch.inference_mode():
+            exact = exact_module(x.float(), index, weights.float())
+        assert (got.float() - exact).abs().max() <= 2 * (want.float() - exact).abs().max() + 1e-2
 
 
 @pytest.mark.parametrize("inter", [INTER, AMX_INTER])
@@ -193,7 +242,7 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(4, 4096, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_an_int8_moe_engine_generates_what_stock_generate_does_on_the_int8_model(family, tiny_model_dir, tmp_path):
     """fp32: the engine's tokens, with its kernels and without them, are stock ``generate``'s on the int8 model."""
     path, loaded, reference = _moe_int8(family, "float32", tiny_model_dir, tmp_path)
@@ -208,7 +257,7 @@ def test_an_int8_moe_engine_generates_what_stock_generate_does_on_the_int8_model
     assert [r.token_ids for r in plain.generate(prompts, [greedy] * len(prompts))] == want
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_a_bf16_int8_moe_engine_stays_within_bf16_rounding_of_stock_on_the_int8_model(family, tiny_model_dir,
                                                                                       tmp_path):  # fmt: skip
     """bf16: the engine's logits of a decode step over three sequences are as far from stock fp32's on the same
