@@ -60,6 +60,8 @@ FAMILIES = {
     # per-head Gemma-style q/k norms, windows of 512 on five layers of six
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=64)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    # q/k norms over all the heads at once, a norm after the attention and the MLP (none before)
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
 }

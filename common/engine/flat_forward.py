@@ -1,5 +1,5 @@
-"""A Llama, Qwen2, Qwen3 or Mistral model (or a Qwen2/3-MoE, Mixtral, Gemma, Gemma 2, Gemma 3 or GPT-OSS one) run
-by the engine as one loop over its layers, without the module tree.
+"""A Llama, Qwen2, Qwen3 or Mistral model (or a Qwen2/3-MoE, Mixtral, Gemma, Gemma 2, Gemma 3, GPT-OSS, OLMo 2 or
+OLMo 3 one) run by the engine as one loop over its layers, without the module tree.
 
 Once :mod:`common.engine.cpu_linear` and :mod:`common.engine.fused_attention` have swapped in the engine's
 fused modules, a decoder layer is six operator calls (the q/k/v product, the rotary kernel, the paged attention,
@@ -17,12 +17,13 @@ and the MoE families above) whose every decoder layer holds :class:`~common.engi
 a :class:`~common.engine.fused_attention.RopeAttention` and a :class:`~common.engine.cpu_linear.FusedGatedMLP` (or
 a MoE block over :class:`~common.engine.moe.PackedExperts`),
 the engine's paged attention registered, no hooks, and no process group (tensor parallelism runs the model's
-own forward). The Gemma families and GPT-OSS (:data:`_OWN_LOOP_LAYOUTS`) take a loop of their own: the
+own forward). The Gemma families, GPT-OSS and OLMo (:data:`_OWN_LOOP_LAYOUTS`) take a loop of their own: the
 embedding module's scaling, :class:`~common.engine.cpu_linear.FusedScaledRMSNorm` norms (Gemma 2 and 3: also
 around the MLP and after the attention, each sublayer's output normed before its residual addition), Gemma 3's
 rotation by layer type, Gemma 2's soft caps (the attention's through the paged attention, the final logits' as
 its causal-LM forward computes them), GPT-OSS's layer (Llama's over norms of one rounding, its MLP's router scores
-dropped as its layer drops them). On a 2-core Zen 4 VM (fp32, the 60M shape, 4 alternations in one process): one
+dropped as its layer drops them), OLMo 2's and 3's (a norm after the attention and after the MLP, none before;
+OLMo 3 rotates by layer type). On a 2-core Zen 4 VM (fp32, the 60M shape, 4 alternations in one process): one
 stream 1.20x the module tree's speed (Gemma), 1.12x (Gemma 2), 1.17x (Gemma 3); 16 streams 1.16x, 0.97x, 1.14x.
 """
 
@@ -58,7 +59,12 @@ _OWN_LOOP_LAYOUTS = {
     "Gemma2ForCausalLM": ("Gemma2Model", "Gemma2DecoderLayer", "Gemma2TextScaledWordEmbedding"),
     "Gemma3ForCausalLM": ("Gemma3TextModel", "Gemma3DecoderLayer", "Gemma3TextScaledWordEmbedding"),
     "GptOssForCausalLM": ("GptOssModel", "GptOssDecoderLayer", "Embedding"),
+    # OLMo 2 and 3: no norm before the attention or the MLP, one after each (OLMo 3 rotates by layer type)
+    "Olmo2ForCausalLM": ("Olmo2Model", "Olmo2DecoderLayer", "Embedding"),
+    "Olmo3ForCausalLM": ("Olmo3Model", "Olmo3DecoderLayer", "Embedding"),
 }
+_POST_NORM_LAYOUTS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+_ROTATION_BY_TYPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
 _SANDWICH_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
@@ -70,17 +76,18 @@ class FlatForward:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         layers = inner.layers[: inner.config.num_hidden_layers]
-        self.layers = [(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
-                       for layer in layers]  # fmt: skip
+        # (OLMo 2 and 3: no norm before the attention)
+        self.layers = [(getattr(layer, "input_layernorm", None), layer.self_attn, layer.post_attention_layernorm,
+                        layer.mlp) for layer in layers]  # fmt: skip
         self.norm = inner.norm
         self.lm_head = model.lm_head
         self.verified = False  # set by the model runner once the logits equalled the model's own
-        self.own_loop = type(model).__name__ in _OWN_LOOP_LAYOUTS  # Gemma's families, GPT-OSS: _own_loop
-        # Gemma 2/3: each layer's norms before and after its MLP
-        self.sandwich = [tuple(getattr(layer, n) for n in _SANDWICH_NORMS) for layer in layers] \
-            if self.own_loop and hasattr(layers[0], _SANDWICH_NORMS[0]) else None  # fmt: skip
-        # Gemma 3: each layer's rotary embedding by its type
-        self.layer_types = list(inner.config.layer_types) if type(model).__name__ == "Gemma3ForCausalLM" else None
+        self.own_loop = type(model).__name__ in _OWN_LOOP_LAYOUTS  # Gemma's families, GPT-OSS, OLMo: _own_loop
+        # Gemma 2/3: each layer's norms before and after its MLP (OLMo 2 and 3: only after)
+        self.sandwich = [tuple(getattr(layer, n, None) for n in _SANDWICH_NORMS) for layer in layers] \
+            if self.own_loop and hasattr(layers[0], _SANDWICH_NORMS[1]) else None  # fmt: skip
+        # Gemma 3, OLMo 3: each layer's rotary embedding by its type
+        self.layer_types = list(inner.config.layer_types) if type(model).__name__ in _ROTATION_BY_TYPE else None
         self.softcap = getattr(model.config, "final_logit_softcapping", None) if self.own_loop else None
         self.mlp_tuple = type(model).__name__ == "GptOssForCausalLM"  # GptOssMLP: (output, router scores)
 
@@ -107,9 +114,11 @@ class FlatForward:
         for layer in inner.layers[: inner.config.num_hidden_layers]:
             if type(layer).__name__ != names[1]:
                 return None
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            norms = [getattr(layer, "input_layernorm", None), layer.post_attention_layernorm]
             if type(model).__name__ in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
                 norms += [getattr(layer, n, None) for n in _SANDWICH_NORMS]
+            elif type(model).__name__ in _POST_NORM_LAYOUTS:
+                norms = [layer.post_attention_layernorm, getattr(layer, _SANDWICH_NORMS[1], None)]
             if not (all(type(n) is norm for n in norms) and type(layer.self_attn) is RopeAttention
                     and (_own_loop_mlp(layer.mlp) if own_loop else _fused_mlp(layer.mlp))):  # fmt: skip
                 return None
@@ -142,8 +151,8 @@ class FlatForward:
 
     def _own_loop(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionMetadata,
                logits_index: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """The loop of the Gemma families and GPT-OSS (:data:`_OWN_LOOP_LAYOUTS`): the additions as their decoder
-        layers write them."""
+        """The loop of the Gemma families, GPT-OSS and OLMo 2/3 (:data:`_OWN_LOOP_LAYOUTS`): the additions as their
+        decoder layers write them."""
         x = self.embed.forward(input_ids)  # scaled by the embedding module itself
         if self.layer_types is None:
             shared = self.rotary.forward(x, position_ids)
@@ -154,7 +163,7 @@ class FlatForward:
         meta = {METADATA_KWARG: attn}
         shape = x.shape[:-1]
         for i, (in_norm, attention, post_norm, mlp) in enumerate(self.layers):
-            q, k, v = attention.project(in_norm.forward(x), rotations[i])
+            q, k, v = attention.project(x if in_norm is None else in_norm.forward(x), rotations[i])
             inner = attention.inner
             out, _ = paged_attention(inner, q, k, v, None, dropout=0.0, scaling=inner.scaling, **attention.extra,
                                      **meta)  # fmt: skip
@@ -166,7 +175,7 @@ class FlatForward:
             else:
                 pre_mlp, post_mlp = self.sandwich[i]
                 x = x + post_norm.forward(out)
-                x = x + post_mlp.forward(mlp.forward(pre_mlp.forward(x)))
+                x = x + post_mlp.forward(mlp.forward(x if pre_mlp is None else pre_mlp.forward(x)))
         logits = self.lm_head.forward(self.norm.forward(x[:, logits_index, :]))  # norms work per row
         if self.softcap is not None:  # as Gemma 2's and 3's causal-LM forward
             logits = logits / self.softcap

@@ -22,7 +22,7 @@ import sys
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from common.engine.cpu_linear import _GEMMA_STYLE_NORMS, _LLAMA_STYLE_NORMS, LinearSlice, PackedLinear
+from common.engine.cpu_linear import _GEMMA_STYLE_NORMS, _LLAMA_STYLE_NORMS, _WEIGHTED_NORMS, LinearSlice, PackedLinear
 from common.engine.module_match import same_forward
 
 log = logging.getLogger(__name__)
@@ -46,9 +46,15 @@ _ROPE_ATTENTIONS = {
     # GPT-OSS: Llama's with biases, a window on some layers and a sink logit per query head (its rotary embedding
     # gives each angle once: the kernel takes cos and sin of half a head, common/engine/csrc/rotary.cpp)
     "GptOssAttention": lambda module: {"sliding_window": module.sliding_window, "s_aux": module.sinks},
+    # OLMo 2 and 3: q and k normed over all their heads at once (OLMo 3: a window on some layers)
+    "Olmo2Attention": lambda module: {},
+    "Olmo3Attention": lambda module: {"sliding_window": module.sliding_window},
 }
+# the references whose q/k norms take all the heads' columns at once, not each head's
+_WHOLE_WIDTH_NORMS = ("Olmo2Attention", "Olmo3Attention")
 _REFERENCES = ("llama.LlamaAttention", "qwen2.Qwen2Attention", "qwen3.Qwen3Attention", "mistral.MistralAttention",
-               "phi3.Phi3Attention", "gemma2.Gemma2Attention", "gemma3.Gemma3Attention", "gpt_oss.GptOssAttention")
+               "phi3.Phi3Attention", "gemma2.Gemma2Attention", "gemma3.Gemma3Attention", "gpt_oss.GptOssAttention",
+               "olmo2.Olmo2Attention", "olmo3.Olmo3Attention")
 
 
 class RopeAttention(torch.nn.Module):
@@ -65,11 +71,14 @@ class RopeAttention(torch.nn.Module):
         self.heads = (num_q_heads, num_kv_heads, head_dim)
         self.splits = [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         # what the attention function gets besides the module's own settings (a constant of the layer)
-        self.extra = _ROPE_ATTENTIONS[same_forward(type(attention), _REFERENCES)](attention)
+        reference = same_forward(type(attention), _REFERENCES)
+        self.extra = _ROPE_ATTENTIONS[reference](attention)
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
-        # Qwen3: each query and key head RMS-normed before RoPE (query columns first, then key columns)
+        # Qwen3: each query and key head RMS-normed before RoPE (query columns first, then key columns); OLMo 2 and
+        # 3: all the query columns at once, then all the key columns
         self.head_norms = ((attention.q_norm, 0, num_q_heads), (attention.k_norm, self.splits[0], num_kv_heads)) \
             if hasattr(attention, "q_norm") else ()  # fmt: skip
+        self.whole_width = reference in _WHOLE_WIDTH_NORMS
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, cache=None, **kwargs):  # fmt: skip
@@ -90,7 +99,7 @@ class RopeAttention(torch.nn.Module):
         d = self.heads[2]
         for norm, start, heads in self.head_norms:
             cols = qkv[..., start : start + heads * d]
-            cols.copy_(norm(cols.view(*shape, heads, d)).view(*shape, heads * d))
+            cols.copy_(norm(cols) if self.whole_width else norm(cols.view(*shape, heads, d)).view(*shape, heads * d))
         cos, sin = position_embeddings
         torch.ops.pdserve.rotary_(qkv, cos, sin, *self.heads)
         return [part.view(*shape, -1, d).transpose(1, 2) for part in qkv.split(self.splits, dim=-1)]
@@ -146,7 +155,8 @@ def _fitting(module: torch.nn.Module) -> tuple[PackedLinear, tuple[int, int, int
             or len(fused.bounds) != 3:  # fmt: skip
         return None
     norms = [getattr(module, n, None) for n in ("q_norm", "k_norm")]
-    if norms != [None, None] and not all(_head_norm(n, head_dim) for n in norms):
+    widths = [p.out_features for p in parts[:2]] if reference in _WHOLE_WIDTH_NORMS else [head_dim, head_dim]
+    if norms != [None, None] and not all(_head_norm(n, w) for n, w in zip(norms, widths)):
         return None
     if head_dim % 2 or getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
         return None
@@ -156,19 +166,20 @@ def _fitting(module: torch.nn.Module) -> tuple[PackedLinear, tuple[int, int, int
     return fused.linear, (q // head_dim, k // head_dim, head_dim)
 
 
-_HEAD_NORMS = (*_LLAMA_STYLE_NORMS, *_GEMMA_STYLE_NORMS)
+_HEAD_NORMS = (*_LLAMA_STYLE_NORMS, *_GEMMA_STYLE_NORMS, *_WEIGHTED_NORMS)
 
 
-def _head_norm(norm: torch.nn.Module | None, head_dim: int) -> bool:
-    """Whether ``norm`` is an RMSNorm over one head: Llama-style (the engine's FusedRMSNorm, or the class it
-    replaces) or Gemma-style (FusedScaledRMSNorm, or the class it replaces)."""
+def _head_norm(norm: torch.nn.Module | None, width: int) -> bool:
+    """Whether ``norm`` is an RMSNorm over ``width`` features (one head's, or all the heads' of OLMo 2 and 3):
+    Llama-style (the engine's FusedRMSNorm, or the class it replaces), Gemma-style or of one rounding
+    (FusedScaledRMSNorm, or the classes it replaces)."""
     if type(norm).__name__ == "FusedScaledRMSNorm":
         weight = norm.scale
     elif type(norm).__name__ == "FusedRMSNorm" or same_forward(type(norm), _HEAD_NORMS) is not None:
         weight = getattr(norm, "weight", None)
     else:
         return False
-    return isinstance(weight, torch.Tensor) and weight.shape == (head_dim,)
+    return isinstance(weight, torch.Tensor) and weight.shape == (width,)
 
 
 def _kernel_matches(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -173,8 +173,8 @@ FUSED = {
     "mixtral": {ROPE, NORM, EXPERTS, ROUTER},
     "qwen2_moe": {ROPE, MLP, NORM, EXPERTS, ROUTER},  # the shared expert a gated MLP
     "qwen3_moe": {ROPE, NORM, EXPERTS, ROUTER},
-    "olmo2": {MLP, SCALED},  # GPT-OSS's norms; q/k norms over all heads at once: its own attention
-    "olmo3": {MLP, SCALED},
+    "olmo2": {ROPE, MLP, SCALED},  # GPT-OSS's norms; q/k norms over all the heads at once
+    "olmo3": {ROPE, MLP, SCALED},
     "olmoe": {NORM, EXPERTS, ROUTER},  # q/k norms over all heads at once: its own attention
     "phimoe": {ROPE, EXPERTS},  # LayerNorm; a router of its own (sparsemixer)
     "gpt_oss": {ROPE, EXPERTS, ROUTER, SCALED},  # experts: a clamped gate, biases; norms x / rms(x) * w, one rounding

@@ -23,23 +23,27 @@ from tests.common.engine.moe_models import MOE_FAMILIES, build_moe
 from tests.common.engine.test_engine_oracle import GREEDY, make_prompts
 from tests.conftest import hf_greedy
 
-# Gemma's families (their own flat loop, GPT-OSS's too: moe_models.py): two layers, a window of 24 on the first of
-# Gemma 2's and Gemma 3's (Gemma 2's soft caps on the attention and final logits at transformers' defaults: 50, 30)
-_GEMMA_BASE = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=32, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                   pad_token_id=0)  # fmt: skip
+# Gemma's families and OLMo's (their own flat loop, GPT-OSS's too: moe_models.py): two layers, a window of 24 on the
+# first of Gemma 2's, Gemma 3's and OLMo 3's (Gemma 2's soft caps on the attention and final logits at
+# transformers' defaults: 50, 30)
+_BASE = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0)  # fmt: skip
 _WINDOWED = dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"])
-GEMMA_FAMILIES = {
+OWN_LOOP_FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", _WINDOWED),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", _WINDOWED),
+    # the same loop: a norm after the attention and the MLP, none before; q/k norms over all the heads
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", _WINDOWED),
 }
 
 
-def build_gemma(family: str, out: Path, tokenizer_dir: str) -> str:
-    config_cls, model_cls, overrides = GEMMA_FAMILIES[family]
+def build_own_loop(family: str, out: Path, tokenizer_dir: str) -> str:
+    config_cls, model_cls, overrides = OWN_LOOP_FAMILIES[family]
     torch.manual_seed(0)
-    getattr(transformers, model_cls)(getattr(transformers, config_cls)(**_GEMMA_BASE, **overrides)).save_pretrained(out)
+    getattr(transformers, model_cls)(getattr(transformers, config_cls)(**_BASE, **overrides)).save_pretrained(out)
     for f in Path(tokenizer_dir).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, out)
@@ -53,10 +57,10 @@ def model_dir(tiny_model_dir, tmp_path_factory):
     built: dict[str, str] = {}
 
     def get(arch: str, **overrides) -> str:
-        if arch not in MOE_FAMILIES and arch not in GEMMA_FAMILIES:
+        if arch not in MOE_FAMILIES and arch not in OWN_LOOP_FAMILIES:
             return tiny_model_dir(arch, **overrides)
         if arch not in built:
-            build = build_moe if arch in MOE_FAMILIES else build_gemma
+            build = build_moe if arch in MOE_FAMILIES else build_own_loop
             built[arch] = build(arch, tmp_path_factory.mktemp(arch), tiny_model_dir("llama"))
         return built[arch]
 
@@ -74,7 +78,7 @@ def engine_for(model_dir: str, **config) -> LLMEngine:
 
 
 def test_taken_where_the_layout_fits(model_dir, tiny_model_dir):
-    for arch in ("llama", "qwen2", "qwen3", "mistral", *MOE_FAMILIES, *GEMMA_FAMILIES):
+    for arch in ("llama", "qwen2", "qwen3", "mistral", *MOE_FAMILIES, *OWN_LOOP_FAMILIES):
         assert engine_for(model_dir(arch)).runner.flat is not None, arch
         assert engine_for(model_dir(arch), flat_forward=False).runner.flat is None
         assert engine_for(model_dir(arch), cpu_kernels=False).runner.flat is None  # no RopeAttention
@@ -87,9 +91,10 @@ def test_taken_where_the_layout_fits(model_dir, tiny_model_dir):
                                             ("qwen3", {}), ("qwen3", {"sliding_window": 24}),
                                             ("mistral", {"sliding_window": 24}), ("qwen3_moe", {}), ("mixtral", {}),
                                             ("qwen2_moe", {}), ("gemma", {}), ("gemma2", {}), ("gemma3", {}),
-                                            ("gpt_oss", {})],
+                                            ("gpt_oss", {}), ("olmo2", {}), ("olmo3", {})],
                          ids=["llama", "qwen2", "qwen2-window", "qwen3", "qwen3-window", "mistral-window", "qwen3_moe",
-                              "mixtral", "qwen2_moe", "gemma", "gemma2", "gemma3", "gpt_oss"])  # fmt: skip
+                              "mixtral", "qwen2_moe", "gemma", "gemma2", "gemma3", "gpt_oss", "olmo2",
+                              "olmo3"])  # fmt: skip
 def test_logits_equal_the_models_own_on_every_step(arch, overrides, model_dir, hf_reference):
     """Prompts arriving while others decode (steps of decode + prefill), every step's logits both ways (the
     runner's one check made to run on every step). MoE models: packed experts in the layers' sparse blocks. Gemma
