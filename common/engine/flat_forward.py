@@ -1,5 +1,5 @@
-"""A Llama, Qwen2, Qwen3 or Mistral model (or a Qwen2/3-MoE, Mixtral, Gemma, Gemma 2, Gemma 3, GPT-OSS, OLMo 2 or
-OLMo 3 one) run by the engine as one loop over its layers, without the module tree.
+"""A Llama, Qwen2, Qwen3 or Mistral model (or a Qwen2/3-MoE, Mixtral, OLMoE, Gemma, Gemma 2, Gemma 3, GPT-OSS,
+OLMo 2 or OLMo 3 one) run by the engine as one loop over its layers, without the module tree.
 
 Once :mod:`common.engine.cpu_linear` and :mod:`common.engine.fused_attention` have swapped in the engine's
 fused modules, a decoder layer is six operator calls (the q/k/v product, the rotary kernel, the paged attention,
@@ -47,9 +47,11 @@ _LAYOUTS = {
     "Qwen3MoeForCausalLM": ("Qwen3MoeModel", "Qwen3MoeDecoderLayer"),
     "Qwen2MoeForCausalLM": ("Qwen2MoeModel", "Qwen2MoeDecoderLayer"),
     "MixtralForCausalLM": ("MixtralModel", "MixtralDecoderLayer"),
+    "OlmoeForCausalLM": ("OlmoeModel", "OlmoeDecoderLayer"),
 }
 # the MoE blocks of those families: routing, the experts and (Qwen2-MoE) the shared expert, one tensor out
-_MOE_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock"})
+_MOE_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock",
+                         "OlmoeSparseMoeBlock"})
 # Gemma's: scaled embeddings, Gemma-style norms (FusedScaledRMSNorm), a GeLU gated MLP; Gemma 2 and 3 also norm
 # each sublayer's output before its residual addition ("sandwich" norms) and may cap the logits softly; Gemma 3
 # rotates by its layer type's rotary embedding. GPT-OSS takes the same loop: Llama's layer over norms of one rounding

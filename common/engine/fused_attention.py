@@ -49,12 +49,14 @@ _ROPE_ATTENTIONS = {
     # OLMo 2 and 3: q and k normed over all their heads at once (OLMo 3: a window on some layers)
     "Olmo2Attention": lambda module: {},
     "Olmo3Attention": lambda module: {"sliding_window": module.sliding_window},
+    # OLMoE: OLMo 2's, its q, k and v clipped where the config says (then not fused)
+    "OlmoeAttention": lambda module: {"sliding_window": getattr(module.config, "sliding_window", None)},
 }
 # the references whose q/k norms take all the heads' columns at once, not each head's
-_WHOLE_WIDTH_NORMS = ("Olmo2Attention", "Olmo3Attention")
+_WHOLE_WIDTH_NORMS = ("Olmo2Attention", "Olmo3Attention", "OlmoeAttention")
 _REFERENCES = ("llama.LlamaAttention", "qwen2.Qwen2Attention", "qwen3.Qwen3Attention", "mistral.MistralAttention",
                "phi3.Phi3Attention", "gemma2.Gemma2Attention", "gemma3.Gemma3Attention", "gpt_oss.GptOssAttention",
-               "olmo2.Olmo2Attention", "olmo3.Olmo3Attention")
+               "olmo2.Olmo2Attention", "olmo3.Olmo3Attention", "olmoe.OlmoeAttention")
 
 
 class RopeAttention(torch.nn.Module):
@@ -139,6 +141,8 @@ def _fitting(module: torch.nn.Module) -> tuple[PackedLinear, tuple[int, int, int
         return None
     config = module.config
     head_dim = module.head_dim
+    if reference == "OlmoeAttention" and getattr(config, "clip_qkv", None) is not None:
+        return None
     if reference == "Phi3Attention":
         product, q_heads = module.qkv_proj, config.num_attention_heads
         kv_heads = getattr(module, "num_key_value_heads", None)

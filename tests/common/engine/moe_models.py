@@ -1,5 +1,6 @@
 """Small random MoE checkpoints of transformers' own classes for the engine's tests (the tiny Llama's tokenizer beside
-them): Qwen3-MoE with a dense layer between two MoE layers, Mixtral, Qwen2-MoE with its shared expert, GPT-OSS."""
+them): Qwen3-MoE with a dense layer between two MoE layers, Mixtral, Qwen2-MoE with its shared expert, OLMoE,
+GPT-OSS."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ MOE_FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                        shared_expert_intermediate_size=128)),  # fmt: skip
+    # q/k norms over all the heads at once
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64)),
     # transposed experts with biases and a clamped gate, sink logits, a window on the first and last layers
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=24,

@@ -175,7 +175,7 @@ FUSED = {
     "qwen3_moe": {ROPE, NORM, EXPERTS, ROUTER},
     "olmo2": {ROPE, MLP, SCALED},  # GPT-OSS's norms; q/k norms over all the heads at once
     "olmo3": {ROPE, MLP, SCALED},
-    "olmoe": {NORM, EXPERTS, ROUTER},  # q/k norms over all heads at once: its own attention
+    "olmoe": {ROPE, NORM, EXPERTS, ROUTER},  # q/k norms over all the heads at once
     "phimoe": {ROPE, EXPERTS},  # LayerNorm; a router of its own (sparsemixer)
     "gpt_oss": {ROPE, EXPERTS, ROUTER, SCALED},  # experts: a clamped gate, biases; norms x / rms(x) * w, one rounding
 }

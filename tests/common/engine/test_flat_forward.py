@@ -91,10 +91,10 @@ def test_taken_where_the_layout_fits(model_dir, tiny_model_dir):
                                             ("qwen3", {}), ("qwen3", {"sliding_window": 24}),
                                             ("mistral", {"sliding_window": 24}), ("qwen3_moe", {}), ("mixtral", {}),
                                             ("qwen2_moe", {}), ("gemma", {}), ("gemma2", {}), ("gemma3", {}),
-                                            ("gpt_oss", {}), ("olmo2", {}), ("olmo3", {})],
+                                            ("gpt_oss", {}), ("olmo2", {}), ("olmo3", {}), ("olmoe", {})],
                          ids=["llama", "qwen2", "qwen2-window", "qwen3", "qwen3-window", "mistral-window", "qwen3_moe",
-                              "mixtral", "qwen2_moe", "gemma", "gemma2", "gemma3", "gpt_oss", "olmo2",
-                              "olmo3"])  # fmt: skip
+                              "mixtral", "qwen2_moe", "gemma", "gemma2", "gemma3", "gpt_oss", "olmo2", "olmo3",
+                              "olmoe"])  # fmt: skip
 def test_logits_equal_the_models_own_on_every_step(arch, overrides, model_dir, hf_reference):
     """Prompts arriving while others decode (steps of decode + prefill), every step's logits both ways (the
     runner's one check made to run on every step). MoE models: packed experts in the layers' sparse blocks. Gemma
