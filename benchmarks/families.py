@@ -49,6 +49,8 @@ FAMILIES = {
                   dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=352, norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=704)),
+    # Qwen3-MoE's proportions; q/k norms over all the heads at once
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=32, num_experts_per_tok=4, intermediate_size=352)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(hidden_act="gelu_pytorch_tanh")),
     # GPT-OSS's experts (interleaved gate and up, biases, a clamped gate) at Qwen3-MoE's proportions; sink logits
     # (plain-op attention, attention_math.py), windows of 128 on alternate layers
