@@ -122,9 +122,10 @@ def fuse_rope_attention(model: torch.nn.Module) -> int:
                 continue
             product, heads = fitting
             dtype = product.dtype
-            key = f"{type(child).__module__}:{dtype}:{heads}"
+            angles = _angle_dtype(model, dtype)
+            key = f"{type(child).__module__}:{dtype}:{angles}:{heads}"
             if key not in checked:
-                checked[key] = _kernel_matches(sys.modules[type(child).__module__], dtype, *heads)
+                checked[key] = _kernel_matches(sys.modules[type(child).__module__], dtype, *heads, angles=angles)
                 if not checked[key]:
                     log.warning("keeping %s: the rotary kernel differs from its apply_rotary_pos_emb",
                                 type(child).__name__)
@@ -186,10 +187,25 @@ def _head_norm(norm: torch.nn.Module | None, width: int) -> bool:
     return isinstance(weight, torch.Tensor) and weight.shape == (width,)
 
 
-def _kernel_matches(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+def _angle_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the cos and sin ``model``'s rotary embedding hands its layers for hidden states of ``dtype``:
+    that dtype (most families), or float32 (OLMo 2's and 3's, whose rotation computes in float)."""
+    rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    if rotary is None:
+        return dtype
+    try:
+        with torch.inference_mode():
+            cos = rotary(torch.zeros(1, 1, 1, dtype=dtype), torch.zeros(1, 1, dtype=torch.long))[0]
+    except (TypeError, RuntimeError, ValueError):  # another signature: the model's dtype, which the check then tests
+        return dtype
+    return cos.dtype
+
+
+def _kernel_matches(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                    angles: torch.dtype | None = None) -> bool:  # fmt: skip
     """Whether the kernel rotates a random q/k exactly as ``modeling.apply_rotary_pos_emb`` does (v untouched), with
     the angles as that function takes them: each twice (cos and sin of a whole head, Llama's) or once (of half a
-    head, GPT-OSS's; the other width fails in the model's own function)."""
+    head, GPT-OSS's; the other width fails in the model's own function), in ``angles`` (default: ``dtype``)."""
     apply = getattr(modeling, "apply_rotary_pos_emb", None)
     if apply is None:
         return False
@@ -202,8 +218,8 @@ def _kernel_matches(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads
         return [p.view(1, tokens, -1, head_dim).transpose(1, 2) for p in t.split(splits, dim=-1)]
 
     q, k, v = heads(qkv)
-    for angles in (torch.cat((half, half), dim=-1), half):
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    for turns in (torch.cat((half, half), dim=-1), half):
+        cos, sin = turns.cos().to(angles or dtype), turns.sin().to(angles or dtype)
         with torch.inference_mode():
             try:
                 want_q, want_k = apply(q, k, cos, sin)

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -33,36 +34,49 @@ using pdserve::to_float;
 // one head of one token: x[0, D) rotated by c[0, D), s[0, D); 16 pairs a vector where the CPU has AVX-512 (GCC
 // vectorizes the loop below with 512-bit vectors for Zen 4, with 256-bit ones for Sapphire Rapids, whose tuning
 // prefers them; rotary_ alone on Zen 4, bf16, 24 heads of 64: 1.02x at 1 and 16 rows, 1.05x at 2,048)
-template <typename T>
-inline void rotate_head(T* x, const T* c, const T* s, int64_t half, int64_t second) {
+// C: the angles' type. T's (transformers' rotation in the model's dtype): each product rounded to T, then their
+// sum. float with bf16 heads (OLMo 2's and 3's rotary embedding keeps float angles and its rotation computes in
+// float, cast back once): only the sum rounded.
+template <typename T, typename C>
+inline void rotate_head(T* x, const C* c, const C* s, int64_t half, int64_t second) {
+  constexpr bool round_products = std::is_same_v<T, C>;
   int64_t i = 0;
 #if defined(__AVX512F__)
   using pdserve::load16;
   using pdserve::round16;
   using pdserve::store16;
+  const auto product16 = [](__m512 a, __m512 b) {
+    const __m512 p = _mm512_mul_ps(a, b);
+    if constexpr (round_products) return round16<T>(p);
+    return p;
+  };
   for (; i + 16 <= half; i += 16) {
     const __m512 x1 = load16(x + i), x2 = load16(x + i + half);
-    const __m512 a1 = round16<T>(_mm512_mul_ps(x1, load16(c + i)));
-    const __m512 b1 = round16<T>(_mm512_mul_ps(x2, load16(s + i)));
-    const __m512 a2 = round16<T>(_mm512_mul_ps(x2, load16(c + i + second)));
-    const __m512 b2 = round16<T>(_mm512_mul_ps(x1, load16(s + i + second)));
+    const __m512 a1 = product16(x1, load16(c + i));
+    const __m512 b1 = product16(x2, load16(s + i));
+    const __m512 a2 = product16(x2, load16(c + i + second));
+    const __m512 b2 = product16(x1, load16(s + i + second));
     store16(x + i, _mm512_sub_ps(a1, b1));
     store16(x + i + half, _mm512_add_ps(a2, b2));
   }
 #endif
+  const auto product = [](float a, float b) {
+    if constexpr (round_products) return to_float(round_to<T>(a * b));
+    return a * b;
+  };
   for (; i < half; ++i) {
     const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-    const float a1 = to_float(round_to<T>(x1 * to_float(c[i])));
-    const float b1 = to_float(round_to<T>(x2 * to_float(s[i])));
-    const float a2 = to_float(round_to<T>(x2 * to_float(c[i + second])));
-    const float b2 = to_float(round_to<T>(x1 * to_float(s[i + second])));
+    const float a1 = product(x1, to_float(c[i]));
+    const float b1 = product(x2, to_float(s[i]));
+    const float a2 = product(x2, to_float(c[i + second]));
+    const float b2 = product(x1, to_float(s[i + second]));
     x[i] = round_to<T>(a1 - b1);
     x[i + half] = round_to<T>(a2 + b2);
   }
 }
 
-template <typename T>
-void rotary_rows(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_stride, int64_t cs_stride,
+template <typename T, typename C>
+void rotary_rows(T* qkv, const C* cos, const C* sin, int64_t rows, int64_t row_stride, int64_t cs_stride,
                  int64_t heads, int64_t head_dim, int64_t second) {
   // about 32K elements a chunk, and a batch of rows at least in halves (16 decode rows of 24 heads of 64: 1.6x)
   const int64_t chunk =
@@ -70,8 +84,8 @@ void rotary_rows(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_s
   pdserve::parallel_claim(rows, chunk, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       T* x = qkv + r * row_stride;
-      const T* c = cos + r * cs_stride;
-      const T* s = sin + r * cs_stride;
+      const C* c = cos + r * cs_stride;
+      const C* s = sin + r * cs_stride;
       for (int64_t h = 0; h < heads; ++h) rotate_head(x + h * head_dim, c, s, head_dim / 2, second);
     }
   });
@@ -79,7 +93,7 @@ void rotary_rows(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_s
 
 // qkv [..., T, (Hq + 2 Hkv) D]: the first Hq + Hkv heads of each row (queries, then keys) rotated in place; values
 // untouched. cos, sin [..., T, D] (one row a token, as transformers' rotary embedding gives them; [..., T, D / 2]:
-// each angle once, GPT-OSS's, both halves rotated by it), qkv's dtype.
+// each angle once, GPT-OSS's, both halves rotated by it), qkv's dtype (or float for bf16 qkv: OLMo 2's and 3's).
 void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
              int64_t head_dim) {
   TORCH_CHECK(qkv.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
@@ -88,8 +102,9 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
               "pdserve::rotary_: bad head layout ", num_q_heads, " x ", num_kv_heads, " x ", head_dim);
   TORCH_CHECK(qkv.dim() >= 1 && qkv.size(-1) == (num_q_heads + 2 * num_kv_heads) * head_dim && qkv.stride(-1) == 1,
               "pdserve::rotary_: qkv [..., (Hq + 2 Hkv) D] with contiguous rows, got ", qkv.sizes());
-  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type(),
-              "pdserve::rotary_: cos and sin must be qkv's dtype");
+  const bool float_angles = qkv.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kFloat;
+  TORCH_CHECK((qkv.scalar_type() == cos.scalar_type() || float_angles) && cos.scalar_type() == sin.scalar_type(),
+              "pdserve::rotary_: cos and sin must be qkv's dtype (or float for bf16 qkv)");
   at::Tensor rows = qkv.view({-1, qkv.size(-1)});  // fails (rather than copies) where the rows are not one stride
   const int64_t n = rows.size(0);
   at::Tensor c = cos.reshape({-1, cos.size(-1)}), s = sin.reshape({-1, sin.size(-1)});
@@ -106,6 +121,9 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
   if (qkv.scalar_type() == at::kFloat) {
     rotary_rows(rows.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), n, rows.stride(0), c.stride(0),
                 heads, head_dim, second);
+  } else if (float_angles) {
+    rotary_rows(rows.data_ptr<c10::BFloat16>(), c.data_ptr<float>(), s.data_ptr<float>(), n, rows.stride(0),
+                c.stride(0), heads, head_dim, second);
   } else if (qkv.scalar_type() == at::kBFloat16) {
     rotary_rows(rows.data_ptr<c10::BFloat16>(), c.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(), n,
                 rows.stride(0), c.stride(0), heads, head_dim, second);

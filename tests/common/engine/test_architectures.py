@@ -280,12 +280,13 @@ def test_disaggregated_output_equals_stock_generate(name, checkpoint, hf_referen
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3", "gemma2", "gpt_oss", "gpt_bigcode", "gemma3n", "gemma", "gemma3",
-                                  "qwen3_moe", "mixtral"])  # fmt: skip
+                                  "qwen3_moe", "mixtral", "olmo2", "olmo3", "olmoe"])  # fmt: skip
 def test_bf16_decode_logits_within_bf16_rounding_of_stock(name, checkpoint):
     """A decode step of two sequences in bf16: each row's logits as far from stock fp32's as stock bf16's are (2x:
     summation orders differ), on the fused modules (Qwen3), plain-op attention (Gemma 2, GPT-OSS), one KV head
     (GPT-BigCode), reused K/V (Gemma 3n), Gemma's norms and GeLU MLP in the engine's kernels (Gemma, Gemma 3) and
-    packed experts (Qwen3-MoE, Mixtral). Measured: 0.4-2.2% of the largest logit apart from stock bf16's."""
+    packed experts (Qwen3-MoE, Mixtral), OLMo's float angles (OLMo 2, 3, OLMoE). Measured: 0.4-2.2% of the
+    largest logit apart from stock bf16's."""
     d = checkpoint(name, SERVED)
     engine = LLMEngine(load_model(d, dtype="bfloat16"), EngineConfig(prefill_chunk_size=48))
     stock = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()

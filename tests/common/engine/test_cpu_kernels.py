@@ -402,6 +402,39 @@ def test_rotary_of_each_angle_once_matches_gpt_oss_bit_for_bit(dtype, tokens, he
     torch.testing.assert_close(got_v, v, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("tokens,heads,dim", [(1, (8, 4), 64), (300, (4, 2), 128), (3, (2, 2), 40)])
+def test_rotary_of_float_angles_matches_olmo2_bit_for_bit(tokens, heads, dim):
+    """bf16 heads and float cos and sin (OLMo 2's and 3's rotary embedding): rotated in float and rounded once, as
+    OLMo 2's apply_rotary_pos_emb computes, bit for bit."""
+    from transformers.models.olmo2.modeling_olmo2 import apply_rotary_pos_emb
+
+    num_q, num_kv = heads
+    splits = [num_q * dim, num_kv * dim, num_kv * dim]
+    g = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(1, tokens, sum(splits), generator=g) * 3).to(torch.bfloat16)
+    angles = torch.rand(1, tokens, dim // 2, generator=g) * 4000
+    angles = torch.cat((angles, angles), -1)
+    cos, sin = angles.cos(), angles.sin()
+
+    def parts(t):
+        return [p.view(1, tokens, -1, dim).transpose(1, 2) for p in t.split(splits, -1)]
+
+    q, k, v = parts(qkv)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got = qkv.clone()
+    torch.ops.pdserve.rotary_(got, cos, sin, num_q, num_kv, dim)
+    got_q, got_k, got_v = parts(got)
+    assert want_q.dtype == torch.bfloat16
+    torch.testing.assert_close(got_q, want_q, rtol=0, atol=0)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
+    torch.testing.assert_close(got_v, v, rtol=0, atol=0)
+    rounded = qkv.clone()  # the products rounded to bf16 first (Llama's rotation): other bits
+    torch.ops.pdserve.rotary_(rounded, cos.bfloat16(), sin.bfloat16(), num_q, num_kv, dim)
+    assert not torch.equal(rounded, got)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        torch.ops.pdserve.rotary_(qkv.float(), cos.bfloat16(), sin.bfloat16(), num_q, num_kv, dim)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_rounds_special_values_as_transformers(dtype):
     """Subnormal products (rounded, not flushed to zero), infinities, NaNs and exact ties of the rounding, in the
