@@ -64,6 +64,7 @@ class Int8Experts(torch.nn.Module):
             self.register_buffer("gate_up_bias", experts.gate_up_proj_bias.detach().clone())
             self.register_buffer("down_bias", experts.down_proj_bias.detach().clone())
             self.alpha, self.limit = experts.alpha, experts.limit
+            self.apply_gate = type(experts)._apply_gate  # GptOssExperts', over this module's alpha and limit
         else:
             self.register_buffer("gate_up_bias", None)
             self.register_buffer("down_bias", None)
@@ -84,9 +85,7 @@ class Int8Experts(torch.nn.Module):
             rows = hidden_states[token_idx]
             gate_up = self._product(rows, "gate_up", e)
             if self.gpt_oss:
-                from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-
-                act = GptOssExperts._apply_gate(self, gate_up)  # reads alpha and limit
+                act = self.apply_gate(self, gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = self.act_fn(gate) * up

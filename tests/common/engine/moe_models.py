@@ -33,8 +33,14 @@ MOE_FAMILIES = {
 def build_moe(family: str, out: Path, tokenizer_dir: str) -> str:
     """The family's checkpoint written to ``out``; returns its path."""
     config_cls, model_cls, overrides = MOE_FAMILIES[family]
+    return build_checkpoint(config_cls, model_cls, {**_COMMON, **overrides}, out, tokenizer_dir)
+
+
+def build_checkpoint(config_cls: str, model_cls: str, settings: dict, out: Path, tokenizer_dir: str) -> str:
+    """A random checkpoint of transformers' ``model_cls`` over ``config_cls(**settings)`` (seed 0), with the
+    tokenizer files of ``tokenizer_dir``, written to ``out``; returns its path."""
     torch.manual_seed(0)
-    getattr(transformers, model_cls)(getattr(transformers, config_cls)(**_COMMON, **overrides)).save_pretrained(out)
+    getattr(transformers, model_cls)(getattr(transformers, config_cls)(**settings)).save_pretrained(out)
     for f in Path(tokenizer_dir).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, out)

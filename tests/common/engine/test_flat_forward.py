@@ -6,12 +6,10 @@ without the kernels."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from common.engine import cpu_kernels
 from common.engine.config import EngineConfig
@@ -19,7 +17,7 @@ from common.engine.engine import LLMEngine
 from common.engine.flat_forward import FlatForward
 from common.engine.loader import load_model
 from common.engine.sampling_params import SamplingParams
-from tests.common.engine.moe_models import MOE_FAMILIES, build_moe
+from tests.common.engine.moe_models import MOE_FAMILIES, build_checkpoint, build_moe
 from tests.common.engine.test_engine_oracle import GREEDY, make_prompts
 from tests.conftest import hf_greedy
 
@@ -42,12 +40,7 @@ OWN_LOOP_FAMILIES = {
 
 def build_own_loop(family: str, out: Path, tokenizer_dir: str) -> str:
     config_cls, model_cls, overrides = OWN_LOOP_FAMILIES[family]
-    torch.manual_seed(0)
-    getattr(transformers, model_cls)(getattr(transformers, config_cls)(**_BASE, **overrides)).save_pretrained(out)
-    for f in Path(tokenizer_dir).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out)
-    return str(out)
+    return build_checkpoint(config_cls, model_cls, {**_BASE, **overrides}, out, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
