@@ -62,8 +62,19 @@ inline __m512 round16<float>(__m512 v) {
   return v;
 }
 
+#if defined(__AVX512BF16__)
+// vcvtneps2bf16 rounds as round_to does except for NaNs (it keeps their payload) and subnormals (it flushes them):
+// lanes of either class (vfpclassps: QNaN 0x01, denormal 0x20, SNaN 0x80) take the integer path below
+inline bool plain16(__m512 v) { return _mm512_fpclass_ps_mask(v, 0xA1) == 0; }
+#endif
+
 template <>
 inline __m512 round16<c10::BFloat16>(__m512 v) {
+#if defined(__AVX512BF16__)
+  if (plain16(v))
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16));
+#endif
   const __m512i u = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i up = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
@@ -76,6 +87,12 @@ inline __m512 round16<c10::BFloat16>(__m512 v) {
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
 inline void store16(c10::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  if (plain16(v)) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    return;
+  }
+#endif
   const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(round16<c10::BFloat16>(v)), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
 }

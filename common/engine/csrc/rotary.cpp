@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -38,7 +39,7 @@ using pdserve::to_float;
 // sum. float with bf16 heads (OLMo 2's and 3's rotary embedding keeps float angles and its rotation computes in
 // float, cast back once): only the sum rounded.
 template <typename T, typename C>
-inline void rotate_head(T* x, const C* c, const C* s, int64_t half, int64_t second) {
+inline void rotate_head(T* x, const float* c, const float* s, int64_t half, int64_t second) {
   constexpr bool round_products = std::is_same_v<T, C>;
   int64_t i = 0;
 #if defined(__AVX512F__)
@@ -81,12 +82,17 @@ void rotary_rows(T* qkv, const C* cos, const C* sin, int64_t rows, int64_t row_s
   // about 32K elements a chunk, and a batch of rows at least in halves (16 decode rows of 24 heads of 64: 1.6x)
   const int64_t chunk =
       std::max<int64_t>(1, std::min<int64_t>((rows + 1) / 2, (int64_t{1} << 15) / std::max<int64_t>(1, heads * head_dim)));
+  // each row's angles widened to float once, for all its heads (they were widened again for every head)
+  const int64_t width = second + head_dim / 2;
   pdserve::parallel_claim(rows, chunk, [&](int64_t r0, int64_t r1) {
+    std::vector<float> angles(2 * width);
     for (int64_t r = r0; r < r1; ++r) {
       T* x = qkv + r * row_stride;
       const C* c = cos + r * cs_stride;
       const C* s = sin + r * cs_stride;
-      for (int64_t h = 0; h < heads; ++h) rotate_head(x + h * head_dim, c, s, head_dim / 2, second);
+      for (int64_t i = 0; i < width; ++i) angles[i] = to_float(c[i]), angles[width + i] = to_float(s[i]);
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_head<T, C>(x + h * head_dim, angles.data(), angles.data() + width, head_dim / 2, second);
     }
   });
 }

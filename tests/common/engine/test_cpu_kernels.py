@@ -308,6 +308,21 @@ def test_gelu_tanh_mul_matches_pytorch(dtype, rows):
         assert act_err[~same].max() < 1e-6 and same.float().mean() > 0.8
 
 
+@pytest.mark.parametrize("width", [65536, 7])
+def test_silu_mul_bf16_every_gate_value(width):
+    """Every one of the 65,536 bf16 gates (infinities, NaNs, subnormals, -88 and the like among them) gives
+    PyTorch's bf16 silu(gate) * up bit for bit: rows of 65,536 go through the vector loop, rows of 7 through the
+    element-wise one alone."""
+    gates = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gates = torch.cat([gates, gates[:(-gates.numel()) % width]]).view(-1, width)
+    ups = [torch.ones_like(gates), torch.randn(gates.shape, generator=torch.Generator().manual_seed(0)).bfloat16()]
+    for up in ups:
+        expected = torch.nn.functional.silu(gates) * up
+        for got in (torch.ops.pdserve.silu_mul_parts(gates, up), torch.ops.pdserve.silu_mul(torch.cat([gates, up], -1))):
+            same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+            assert same.all(), f"{(~same).sum().item()} gates differ, e.g. {gates[~same][:4].tolist()}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 16, 300])
 def test_silu_mul_matches_pytorch(dtype, rows):
