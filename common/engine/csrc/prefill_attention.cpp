@@ -862,9 +862,12 @@ void attend(const Layout<T>& L, const std::vector<Seq>& seqs, const Pack& pack, 
     blocks[i] = (seqs[i].pos0 + seqs[i].n + BK - 1) / BK;
     pack_at[i + 1] = pack_at[i] + L.kv_heads * blocks[i] * BK * key_units;
   }
-  // left uninitialised: pack_kv writes every unit (a vector's zero-fill cost a pass over megabytes a layer)
-  std::unique_ptr<uint32_t[]> packed(new uint32_t[static_cast<size_t>(2 * pack_at[n])]);
-  auto k_of = [&](int64_t i, int64_t g) { return packed.get() + 2 * pack_at[i] + 2 * g * blocks[i] * BK * key_units; };
+  // left uninitialised: pack_kv writes every unit (a vector's zero-fill cost a pass over megabytes a layer). From
+  // torch's allocator, 64-byte aligned: new[]'s 16-byte alignment left the rows of every K and V^T tile across
+  // two cache lines in some processes and not others (the AMX kernel ran 7.1 or 8.5 ms a layer by the process)
+  const at::Tensor packed = at::empty({2 * pack_at[n]}, at::TensorOptions().dtype(at::kInt));
+  uint32_t* base = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  auto k_of = [&](int64_t i, int64_t g) { return base + 2 * pack_at[i] + 2 * g * blocks[i] * BK * key_units; };
   auto v_of = [&](int64_t i, int64_t g) { return k_of(i, g) + blocks[i] * BK * key_units; };
   pdserve::parallel_claim(n * L.kv_heads, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
