@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
@@ -587,20 +588,26 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
       __mmask16 valid[KC];
       // four running maxima: one would be a chain of 32 dependent steps
       __m512 top0 = _mm512_set1_ps(NEG), top1 = top0, top2 = top0, top3 = top0;
-      for (int64_t j = 0; j < keys; j += 4) {
-        for (int64_t u = j; u < j + 4; ++u) {
-          valid[u] = 0xFFFF;
-          if (masked) {  // key u visible to the row at position i iff u <= i (and u > i - window)
+      if (masked) {
+        for (int64_t j = 0; j < keys; j += 4) {
+          for (int64_t u = j; u < j + 4; ++u) {  // key u visible to the row at position i iff u <= i (and u > i - window)
             const __m512i kpos = _mm512_set1_epi32(static_cast<int>(k0 + u));
             valid[u] = _mm512_cmple_epi32_mask(kpos, qpos);
             if (L.window > 0)
               valid[u] &= _mm512_cmpgt_epi32_mask(kpos, _mm512_sub_epi32(qpos, window));
           }
+          top0 = _mm512_mask_max_ps(top0, valid[j], top0, _mm512_load_ps(sb[j]));
+          top1 = _mm512_mask_max_ps(top1, valid[j + 1], top1, _mm512_load_ps(sb[j + 1]));
+          top2 = _mm512_mask_max_ps(top2, valid[j + 2], top2, _mm512_load_ps(sb[j + 2]));
+          top3 = _mm512_mask_max_ps(top3, valid[j + 3], top3, _mm512_load_ps(sb[j + 3]));
         }
-        top0 = _mm512_mask_max_ps(top0, valid[j], top0, _mm512_load_ps(sb[j]));
-        top1 = _mm512_mask_max_ps(top1, valid[j + 1], top1, _mm512_load_ps(sb[j + 1]));
-        top2 = _mm512_mask_max_ps(top2, valid[j + 2], top2, _mm512_load_ps(sb[j + 2]));
-        top3 = _mm512_mask_max_ps(top3, valid[j + 3], top3, _mm512_load_ps(sb[j + 3]));
+      } else {  // every key visible to every row (no masks: they cost a load into a mask register a vector)
+        for (int64_t j = 0; j < keys; j += 4) {
+          top0 = _mm512_max_ps(top0, _mm512_load_ps(sb[j]));
+          top1 = _mm512_max_ps(top1, _mm512_load_ps(sb[j + 1]));
+          top2 = _mm512_max_ps(top2, _mm512_load_ps(sb[j + 2]));
+          top3 = _mm512_max_ps(top3, _mm512_load_ps(sb[j + 3]));
+        }
       }
       const __m512 top = _mm512_max_ps(_mm512_max_ps(top0, top1), _mm512_max_ps(top2, top3));
       // rows whose maximum grew past m + RESCALE take the new one; the others keep theirs
@@ -627,13 +634,21 @@ void amx_item(const Layout<c10::BFloat16>& L, int64_t t0, int64_t pos0, int64_t 
         }
         m = m_new;
       }
-      for (int64_t j = 0; j < keys; j += 2) {
-        const __m512 p0 = exp2_amx(_mm512_fmsub_ps(_mm512_load_ps(sb[j]), scale, m), valid[j]);
-        const __m512 p1 = exp2_amx(_mm512_fmsub_ps(_mm512_load_ps(sb[j + 1]), scale, m), valid[j + 1]);
-        l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // [p0's 16 | p1's 16] as bf16
-        _mm512_store_si512(pt[buf][j / 32][(j % 32) / 2], _mm512_permutexvar_epi16(pairs, both));
-      }
+      uint32_t* prow = pt[buf][0][0];  // keys j and j + 1 make P^T's row j / 2 (16 units a row)
+      const auto probabilities = [&](const auto& mask_of) {
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < keys; j += 2) {
+          const __m512 p0 = exp2_amx(_mm512_fmsub_ps(_mm512_load_ps(sb[j]), scale, m), mask_of(j));
+          const __m512 p1 = exp2_amx(_mm512_fmsub_ps(_mm512_load_ps(sb[j + 1]), scale, m), mask_of(j + 1));
+          l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
+          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // [p0's 16 | p1's 16] as bf16
+          _mm512_store_si512(prow + 8 * j, _mm512_permutexvar_epi16(pairs, both));
+        }
+      };
+      if (masked)
+        probabilities([&](int64_t j) { return valid[j]; });
+      else
+        probabilities([](int64_t) { return static_cast<__mmask16>(0xFFFF); });
       for (int64_t j = keys; j < KC && j % 32 != 0; j += 2)  // the last P^T tile's rows past the keys
         _mm512_store_si512(pt[buf][j / 32][(j % 32) / 2], _mm512_setzero_si512());
       if (!ahead) {
@@ -809,7 +824,10 @@ template <typename T>
 void attend_item(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_t i0, int64_t i1,
                  const uint32_t* kp, const uint32_t* vp) {
   const int64_t n = i1 - i0, dim = L.dim;
-  std::unique_ptr<float[]> buf(new float[2 * BQ * dim]);  // the rows' float queries, then their outputs
+  // the rows' float queries, then their outputs; 64-byte aligned, as the packed K and V (see attend)
+  const std::unique_ptr<float, decltype(&std::free)> buf(
+      static_cast<float*>(std::aligned_alloc(64, sizeof(float) * 2 * BQ * dim)), &std::free);
+  TORCH_CHECK(buf, "prefill_attention: out of memory");
   float* q = buf.get();
   float* o = q + BQ * dim;
   alignas(32) float m[BQ];
