@@ -356,7 +356,13 @@ void attend_item(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_
 // Where the time goes (2-core Xeon, 2,048 tokens, heads of 64; each part left out in turn, one process): without
 // the vector work the kernel took 5.2 of 8.9 ms (its tile products alone ran ~2,000 GFLOP/s, near oneDNN's GEMM
 // peak here), without the tile products 4.1; the two hardly overlap. The pipeline, the polynomial of exp2_amx and
-// the operand tiles took it from 10.9 to 9.7 ms (1.12x).
+// the operand tiles took it from 10.9 to 9.7 ms (1.12x). Then (the same kind, separate processes alternated):
+// the packed K and V 64-byte aligned, exp2_amx in five operations, Q^T, V^T and the outputs transposed in
+// registers rather than gathered, unmasked chunks without masks: 9.1-9.3 -> 7.2-7.5 ms. Tried, not kept: the
+// scores, the softmax and the values of 256 keys at a time as three phases (Q^T resident in two tiles, four
+// score tiles, so each operand tile is loaded once; no row maximum to chase): the tile part alone ran no faster
+// (its K and V^T tiles come from L2, each used by one 16-row group: L2's bandwidth bounds them) and the phases
+// lost the pipeline's overlap, 0.84x.
 
 // Keys a chunk: two 16-key tiles, one P^T tile. Against chunks of 64 (two tile pairs), the same Xeon, alternating
 // in one process, prompts of 37 to 2,048 tokens, heads of 64 and 128: 1.00-1.11x where its matmul ran fast (about

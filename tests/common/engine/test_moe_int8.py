@@ -130,7 +130,7 @@ def test_packed_int8_gpt_oss_experts_give_the_int8_modules_output(dtype, tokens)
 
 @pytest.mark.parametrize("inter", [INTER, AMX_INTER])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [0, 1, 3, 16, 67])
+@pytest.mark.parametrize("tokens", [0, 1, 3, 16, 67, 200])  # 200: ~67 rows an expert, on AMX tiles in bf16 there
 def test_packed_int8_experts_give_the_int8_modules_output(dtype, tokens, inter):
     quantized = Int8Experts(experts(dtype, inter=inter))
     packed = PackedExperts(quantized, int8_layout(quantized))
@@ -149,7 +149,7 @@ def test_packed_int8_experts_give_the_int8_modules_output(dtype, tokens, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [3, 16, 67])
+@pytest.mark.parametrize("tokens", [3, 16, 67, 200])
 def test_int8_experts_give_the_same_bits_on_any_thread_count(dtype, tokens):
     quantized = Int8Experts(experts(dtype, inter=AMX_INTER))
     packed = PackedExperts(quantized, int8_layout(quantized))
