@@ -318,7 +318,8 @@ def test_silu_mul_bf16_every_gate_value(width):
     ups = [torch.ones_like(gates), torch.randn(gates.shape, generator=torch.Generator().manual_seed(0)).bfloat16()]
     for up in ups:
         expected = torch.nn.functional.silu(gates) * up
-        for got in (torch.ops.pdserve.silu_mul_parts(gates, up), torch.ops.pdserve.silu_mul(torch.cat([gates, up], -1))):
+        fused = torch.ops.pdserve.silu_mul(torch.cat([gates, up], -1))
+        for got in (torch.ops.pdserve.silu_mul_parts(gates, up), fused):
             same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
             assert same.all(), f"{(~same).sum().item()} gates differ, e.g. {gates[~same][:4].tolist()}"
 
