@@ -390,7 +390,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be positive (or 0: none), got ", softcap);
   TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
                          sinks->size(0) == query.size(1)),
-              "paged_decode_attention: sinks must be a contiguous float [Hq] tensor");
+              "paged_decode_attention: sinks must be a contiguous float [Hq] tensor (Hq = ", query.size(1), "), got ",
+              sinks->scalar_type(), " ", sinks->sizes(), sinks->is_contiguous() ? "" : " (not contiguous)");
   const float cap = static_cast<float>(softcap);
   const float* sink = sinks ? sinks->data_ptr<float>() : nullptr;
   const auto qt = query.scalar_type(), ct = cache.scalar_type();

@@ -110,7 +110,8 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
               "pdserve::rotary_: qkv [..., (Hq + 2 Hkv) D] with contiguous rows, got ", qkv.sizes());
   const bool float_angles = qkv.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kFloat;
   TORCH_CHECK((qkv.scalar_type() == cos.scalar_type() || float_angles) && cos.scalar_type() == sin.scalar_type(),
-              "pdserve::rotary_: cos and sin must be qkv's dtype (or float for bf16 qkv)");
+              "pdserve::rotary_: cos and sin must be qkv's dtype (or float for bf16 qkv), got qkv ", qkv.scalar_type(),
+              ", cos ", cos.scalar_type(), ", sin ", sin.scalar_type());
   at::Tensor rows = qkv.view({-1, qkv.size(-1)});  // fails (rather than copies) where the rows are not one stride
   const int64_t n = rows.size(0);
   at::Tensor c = cos.reshape({-1, cos.size(-1)}), s = sin.reshape({-1, sin.size(-1)});

@@ -106,10 +106,20 @@ def test_soft_caps_and_sinks_take_only_their_forms():
     op = torch.ops.pdserve.paged_decode_attention
     with pytest.raises(RuntimeError, match="softcap must be positive"):
         op(out, q, cache.data, 1, table, lens, 0.125, 0, -1.0, None)
-    with pytest.raises(RuntimeError, match=r"sinks must be a contiguous float \[Hq\]"):
-        op(out, q, cache.data, 1, table, lens, 0.125, 0, 0.0, torch.zeros(q.shape[1] + 1))
-    with pytest.raises(RuntimeError, match=r"sinks must be a contiguous float \[Hq\]"):
-        op(out, q, cache.data, 1, table, lens, 0.125, 0, 0.0, torch.zeros(q.shape[1], dtype=torch.bfloat16))
+    hq = q.shape[1]
+    refused = r"sinks must be a contiguous float \[Hq\] tensor"
+    with pytest.raises(RuntimeError, match=rf"{refused} \(Hq = {hq}\), got Float \[{hq + 1}\]"):
+        op(out, q, cache.data, 1, table, lens, 0.125, 0, 0.0, torch.zeros(hq + 1))
+    with pytest.raises(RuntimeError, match=rf"sinks must be a contiguous float \[Hq\].*got BFloat16 \[{hq}\]"):
+        op(out, q, cache.data, 1, table, lens, 0.125, 0, 0.0, torch.zeros(hq, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"sinks must be a contiguous float \[Hq\].*\(not contiguous\)"):
+        op(out, q, cache.data, 1, table, lens, 0.125, 0, 0.0, torch.zeros(hq, 2)[:, 0])
+
+
+def test_rotary_names_the_dtypes_it_refuses():
+    qkv, cos = torch.zeros(3, 4 * 8, dtype=torch.bfloat16), torch.zeros(3, 8, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="must be qkv's dtype .*, got qkv BFloat16, cos Half, sin Half"):
+        torch.ops.pdserve.rotary_(qkv, cos, cos, 2, 1, 8)
 
 
 @pytest.mark.parametrize("q_dtype,cache_dtype,tol", [(torch.float32, torch.float32, 1e-5),
