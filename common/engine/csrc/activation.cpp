@@ -35,7 +35,7 @@ using pdserve::to_float;
 // log2(e)'s own remainder), 2^t = 2^floor(t) 2^r with r = t - floor(t) in [0, 1) and 2^r by a degree-5
 // polynomial fitted for the least largest relative error (1.6e-7 evaluated in float); the division exact. Every
 // one of the 65,536 bf16 gates then gives PyTorch's bf16 silu bit for bit (the Cephes exp over -|x| before missed
-// four: -87.5 to -88.5, whose exp(-x) PyTorch keeps finite, and -inf, NaN there). -x clamped to [-150, 150], where
+// four: -87.5, -88 and -88.5, whose exp(-x) PyTorch keeps finite, and -inf, whose silu PyTorch gives as NaN). -x clamped to [-150, 150], where
 // exp(-x) is already 0 or inf; NaN goes through as NaN. The AVX-512 form (silu16) and this one compute alike.
 constexpr float kLog2e = 1.4426950216293335f, kLog2eLow = 1.925963033500011e-08f;  // log2(e) = kLog2e + kLog2eLow
 constexpr float kExp2Poly[6] = {0.9999999403953552f,  0.6931530833244324f,   0.24015361070632935f,
