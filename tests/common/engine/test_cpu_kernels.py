@@ -363,6 +363,21 @@ def test_silu_mul_matches_pytorch(dtype, rows):
         torch.ops.pdserve.silu_mul_parts(gate, up[:, :-1])
 
 
+def rotary_case(tokens: int, heads: tuple[int, int], dim: int, dtype: torch.dtype):
+    """A fused q|k|v product of ``tokens`` rows in ``dtype``, each row's angles for half a head (positions up to
+    thousands), and the view of a buffer of that layout as its q, k and v heads ([1, H, T, D] each)."""
+    num_q, num_kv = heads
+    splits = [num_q * dim, num_kv * dim, num_kv * dim]
+    g = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(1, tokens, sum(splits), generator=g) * 3).to(dtype)
+    angles = torch.rand(1, tokens, dim // 2, generator=g) * 4000
+
+    def parts(t):
+        return [p.view(1, tokens, -1, dim).transpose(1, 2) for p in t.split(splits, -1)]
+
+    return qkv, angles, parts
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,heads,dim", [(1, (8, 4), 64), (16, (16, 8), 64), (300, (4, 2), 128), (3, (2, 2), 40)])
 def test_rotary_matches_transformers_bit_for_bit(dtype, tokens, heads, dim):
@@ -371,16 +386,9 @@ def test_rotary_matches_transformers_bit_for_bit(dtype, tokens, heads, dim):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     num_q, num_kv = heads
-    splits = [num_q * dim, num_kv * dim, num_kv * dim]
-    g = torch.Generator().manual_seed(tokens)
-    qkv = (torch.randn(1, tokens, sum(splits), generator=g) * 3).to(dtype)
-    angles = torch.rand(1, tokens, dim // 2, generator=g) * 4000  # positions up to thousands
-    angles = torch.cat((angles, angles), -1)
+    qkv, half, parts = rotary_case(tokens, heads, dim, dtype)
+    angles = torch.cat((half, half), -1)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-
-    def parts(t):
-        return [p.view(1, tokens, -1, dim).transpose(1, 2) for p in t.split(splits, -1)]
-
     q, k, v = parts(qkv)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
     got = qkv.clone()
@@ -389,7 +397,7 @@ def test_rotary_matches_transformers_bit_for_bit(dtype, tokens, heads, dim):
     torch.testing.assert_close(got_q, want_q, rtol=0, atol=0)
     torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
     torch.testing.assert_close(got_v, v, rtol=0, atol=0)
-    wide = torch.cat([qkv, qkv], -1)[..., : sum(splits)]  # rows one stride apart, not contiguous as a whole
+    wide = torch.cat([qkv, qkv], -1)[..., : qkv.shape[-1]]  # rows one stride apart, not contiguous as a whole
     torch.ops.pdserve.rotary_(wide, cos, sin, num_q, num_kv, dim)
     torch.testing.assert_close(wide, got, rtol=0, atol=0)
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
@@ -408,15 +416,8 @@ def test_rotary_of_each_angle_once_matches_gpt_oss_bit_for_bit(dtype, tokens, he
     from transformers.models.gpt_oss import modeling_gpt_oss
 
     num_q, num_kv = heads
-    splits = [num_q * dim, num_kv * dim, num_kv * dim]
-    g = torch.Generator().manual_seed(tokens)
-    qkv = (torch.randn(1, tokens, sum(splits), generator=g) * 3).to(dtype)
-    angles = torch.rand(1, tokens, dim // 2, generator=g) * 4000
+    qkv, angles, parts = rotary_case(tokens, heads, dim, dtype)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-
-    def parts(t):
-        return [p.view(1, tokens, -1, dim).transpose(1, 2) for p in t.split(splits, -1)]
-
     q, k, v = parts(qkv)
     want_q, want_k = modeling_gpt_oss._apply_rotary_emb(q, cos[:, None], sin[:, None]), \
         modeling_gpt_oss._apply_rotary_emb(k, cos[:, None], sin[:, None])  # fmt: skip
@@ -435,16 +436,9 @@ def test_rotary_of_float_angles_matches_olmo2_bit_for_bit(tokens, heads, dim):
     from transformers.models.olmo2.modeling_olmo2 import apply_rotary_pos_emb
 
     num_q, num_kv = heads
-    splits = [num_q * dim, num_kv * dim, num_kv * dim]
-    g = torch.Generator().manual_seed(tokens)
-    qkv = (torch.randn(1, tokens, sum(splits), generator=g) * 3).to(torch.bfloat16)
-    angles = torch.rand(1, tokens, dim // 2, generator=g) * 4000
-    angles = torch.cat((angles, angles), -1)
+    qkv, half, parts = rotary_case(tokens, heads, dim, torch.bfloat16)
+    angles = torch.cat((half, half), -1)
     cos, sin = angles.cos(), angles.sin()
-
-    def parts(t):
-        return [p.view(1, tokens, -1, dim).transpose(1, 2) for p in t.split(splits, -1)]
-
     q, k, v = parts(qkv)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
     got = qkv.clone()
