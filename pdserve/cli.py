@@ -4,11 +4,16 @@ Each module in ``pdserve.commands`` exposes ``add_parser(subparsers)``, which re
 sets ``func`` on the parser's defaults to a callable ``func(args) -> int`` (the exit status). Subcommand
 modules import heavy dependencies (torch, transformers) inside ``func`` only, so ``pdserve --help`` and
 client-side commands start fast.
+
+Exit status: 0 done, 2 a user error (one line on stderr, no traceback), 130 Ctrl-C, ``EXIT_PORT_TAKEN`` (75,
+EX_TEMPFAIL) when a port the command was to listen on is taken (EADDRINUSE, one line on stderr: another port, or
+the same later, may work; ``pdserve up`` starts such a service again on new ports), 1 anything else.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -24,6 +29,7 @@ from pdserve.commands import trace as trace_cmd
 from pdserve.commands import up as up_cmd
 
 _SERVICES = ("router", "prefill", "decode")
+EXIT_PORT_TAKEN = 75  # os.EX_TEMPFAIL: a port to listen on was taken
 _COMMANDS = (up_cmd, serve_cmd, generate_cmd, status_cmd, trace_cmd, run_cmd, model_cmd, bench_cmd)
 
 
@@ -60,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:  # user errors: one clear line, no traceback
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(f"pdserve {args.command}: error: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_PORT_TAKEN
 
 
 if __name__ == "__main__":

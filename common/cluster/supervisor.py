@@ -51,6 +51,8 @@ class ManagedProcess:
     argv: list[str]
     popen: subprocess.Popen
     log_path: Path | None  # its stdout and stderr; None = inherited from the supervisor
+    env: Mapping[str, str] | None = None  # what spawn set on top of the supervisor's environment
+    cwd: Path | None = None
 
     @property
     def pid(self) -> int:
@@ -125,6 +127,24 @@ class Supervisor:
         """
         if name in self._procs:
             raise ValueError(f"a child named {name!r} was already spawned (pid {self._procs[name].pid})")
+        proc = self._start(name, argv, env, log_path, cwd)
+        self._procs[name] = proc
+        return proc
+
+    def respawn(self, name: str, argv: list[str]) -> ManagedProcess:
+        """Start ``argv`` in place of the child ``name``, which has exited (``pdserve up``: a service whose port
+        was taken, on new ports), with its environment and working folder; its log file is appended to. It keeps
+        its place in the start order (stopped with the same peers). Raises KeyError for a name never spawned and
+        ValueError while that child still runs."""
+        old = self._procs[name]
+        if old.popen.poll() is None:
+            raise ValueError(f"child {name!r} (pid {old.pid}) still runs: stop it before starting it again")
+        proc = self._start(name, argv, old.env, old.log_path, old.cwd)
+        self._procs[name] = proc  # an existing key: the same place in the order
+        return proc
+
+    def _start(self, name: str, argv: list[str], env: Mapping[str, str] | None, log_path: Path | None,
+               cwd: Path | None) -> ManagedProcess:
         if not argv:
             raise ValueError(f"argv of child {name!r} is empty")
         log_file = None
@@ -146,8 +166,7 @@ class Supervisor:
         finally:
             if log_file is not None:
                 log_file.close()  # the child holds its own descriptor
-        proc = ManagedProcess(name=name, argv=list(argv), popen=popen, log_path=log_path)
-        self._procs[name] = proc
+        proc = ManagedProcess(name=name, argv=list(argv), popen=popen, log_path=log_path, env=env, cwd=cwd)
         logger.info("started %s (pid %d)%s", name, popen.pid, f", log {log_path}" if log_path else "")
         return proc
 

@@ -163,7 +163,11 @@ class HttpFront:
             def log_message(self, format, *args):  # noqa: A002 - the base class's name
                 log.debug("http %s - %s", self.address_string(), format % args)
 
-        self._server = ThreadingHTTPServer((self.host, self.port), _Request)
+        try:
+            self._server = ThreadingHTTPServer((self.host, self.port), _Request)
+        except OSError as exc:  # the OS's errno stays (EADDRINUSE: `pdserve up` tries other ports), with the port
+            message = f"cannot listen for HTTP on {self.host}:{self.port}: {exc.strerror or exc}"
+            raise (OSError(exc.errno, message) if exc.errno else OSError(message)) from exc
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="http-front", daemon=True)

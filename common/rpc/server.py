@@ -64,22 +64,40 @@ class HealthState:
 def hold_port(host: str, port: int) -> socket.socket | None:
     """A socket bound to ``host:port`` (not listening, no SO_REUSEADDR), so that no socket of this process or host
     namespace is given that port as an ephemeral one until it closes; None for port 0 or where it cannot bind
-    (:func:`build_server` then says why). A worker holds its gRPC port while it starts NIXL, whose UCX listeners
-    take ephemeral ports, 32768-60999 on Linux, which hold 50051: a decode worker once failed to start with
-    'Address already in use' in a namespace of its own. Close it right before :func:`build_server`."""
-    if not port:
-        return None
+    (:func:`build_server` then says why). A worker holds its gRPC port from its start, while its model loads
+    (tensor-parallel ranks connect through ephemeral ports) and while it starts NIXL, whose UCX listeners take
+    ephemeral ports: 32768-60999 on Linux, which hold 50051 and every port the OS hands out for port 0. A decode
+    worker once failed to start with 'Address already in use' in a namespace of its own, and a prefill worker of
+    ``pdserve up`` found its port taken after its model loaded beside a starting tensor-parallel decode worker.
+    Close it right before :func:`build_server`."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
-        held = socket.socket(family, kind, proto)
+        return _bound_socket(host, port) if port else None
     except OSError:
         return None
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``; the OS's OSError (EADDRINUSE, EACCES, EADDRNOTAVAIL, ...) where it cannot."""
+    family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    held = socket.socket(family, kind, proto)
     try:
         held.bind(address)
     except OSError:
         held.close()
-        return None
+        raise
     return held
+
+
+def listen_error(host: str, port: int) -> OSError:
+    """The error for a server that cannot listen on ``host:port``, with the OS's reason and errno where a bind
+    of it fails now (gRPC only says that it could not): ``[Errno 98] cannot listen on 127.0.0.1:50051: Address
+    already in use``. A caller tells a taken port (``errno.EADDRINUSE``) from a bad address by its errno."""
+    try:
+        _bound_socket(host, port).close()
+    except OSError as exc:
+        message = f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+        return OSError(exc.errno, message) if exc.errno else OSError(message)
+    return OSError(f"cannot listen on {host}:{port}")
 
 
 def build_server(
@@ -133,7 +151,7 @@ def build_server(
     if bound == 0:
         if isinstance(server, AsyncioServer):
             server.stop(None).wait()
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise listen_error(host, port)
     return server, bound, state
 
 

@@ -5,7 +5,11 @@
 
 Without ``--model`` it builds (once) and serves the embedded tiny model. Without ``--redis-url`` it starts
 a ``redis-server`` on a free port. Every service gets free ports (the router ``--port`` and ``--http-port``
-if given; each worker's ``/metrics`` port is listed by ``pdserve status --json``). When
+if given; each worker's ``/metrics`` port is listed by ``pdserve status --json``). Another process may be handed
+such a port as an ephemeral one before the service binds it (each worker holds its gRPC port from its first
+moment): a service that exits with code 75 (``pdserve.cli.EXIT_PORT_TAKEN``) is started again on new ports, 3
+times in all, with a line on stderr (``pdserve up: NAME could not listen (...); starting it again on other
+ports``); the router on ports the user gave is not. When
 every service answers its gRPC health check and the router has had time to see every worker in the
 registry, it prints one line on stdout:
 
@@ -44,10 +48,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")) / "models" / "tiny-llama"
 READY_TIMEOUT_S = 300.0
+PORT_RETRIES = 3  # services started again, in all, after another process took a port given to them
 ROUTER_REFRESH_S = 0.5  # services.router.config.RouterConfig.registry_refresh_s (default)
 
 
@@ -122,6 +128,7 @@ def up(args: argparse.Namespace) -> int:
     from common.cluster.net import wait_for_grpc_health
     from common.cluster.supervisor import Supervisor
     from common.rpc.server import stop_on_signals
+    from pdserve.cli import EXIT_PORT_TAKEN
 
     if args.prefill < 1 or args.decode < 1:
         raise ValueError(f"a cluster needs >= 1 prefill and >= 1 decode worker, got {args.prefill}, {args.decode}")
@@ -154,36 +161,67 @@ def up(args: argparse.Namespace) -> int:
             sup.start_redis(port, log_dir / "redis")
             redis_url = f"redis://127.0.0.1:{port}/0"
         endpoints: dict[str, str] = {}
+        # each service's command line on new ports: one that exits with EXIT_PORT_TAKEN (another process took a
+        # port of its between free_port and its bind) starts again on others, PORT_RETRIES times in all
+        commands: dict[str, Callable[[], list[str]]] = {}
         pools = (("decode", args.decode, args.decode_arg), ("prefill", args.prefill, args.prefill_arg))
         workers = [(f"{role}-{i}", role, [*args.worker_arg, *extra]) for role, count, extra in pools
                    for i in range(count)]  # fmt: skip
         placement = cuda_placement([argv for _, _, argv in workers], _num_gpus(workers))
         for (name, role, worker_args), placed in zip(workers, placement):
-            port = free_port()
-            argv = [*py, role, "--model", model, "--port", str(port), "--redis-url", redis_url,
-                    "--worker-id", name, *auth_args, *tls_args.get(name, []), *worker_args, *placed]
-            if role == "decode":  # its shm socket lives with the logs, even if the worker is killed
-                argv += ["--kv-shm-dir", str(log_dir / "kv")]
-            sup.spawn(name, argv, log_path=log_dir / f"{name}.log")
-            endpoints[name] = f"127.0.0.1:{port}"
-        router_port, http_port = args.port or free_port(), args.http_port or free_port()
-        router_argv = [*py, "router", "--model", model, "--port", str(router_port), "--http-port", str(http_port),
-                       "--redis-url", redis_url, "--local-prefill-threshold", str(args.local_prefill_threshold),
-                       *auth_args, *tls_args.get("router", []), *args.router_arg]
-        sup.spawn("router", router_argv, log_path=log_dir / "router.log")
-        endpoints["router"] = f"127.0.0.1:{router_port}"
+
+            def worker_argv(name=name, role=role, worker_args=worker_args, placed=placed) -> list[str]:
+                port = free_port()
+                endpoints[name] = f"127.0.0.1:{port}"
+                argv = [*py, role, "--model", model, "--port", str(port), "--redis-url", redis_url,
+                        "--worker-id", name, *auth_args, *tls_args.get(name, []), *worker_args, *placed]
+                if role == "decode":  # its shm socket lives with the logs, even if the worker is killed
+                    argv += ["--kv-shm-dir", str(log_dir / "kv")]
+                return argv
+
+            commands[name] = worker_argv
+            sup.spawn(name, worker_argv(), log_path=log_dir / f"{name}.log")
+        http_port = args.http_port
+
+        def router_argv() -> list[str]:
+            nonlocal http_port
+            router_port, http_port = args.port or free_port(), args.http_port or free_port()
+            endpoints["router"] = f"127.0.0.1:{router_port}"
+            return [*py, "router", "--model", model, "--port", str(router_port), "--http-port", str(http_port),
+                    "--redis-url", redis_url, "--local-prefill-threshold", str(args.local_prefill_threshold),
+                    *auth_args, *tls_args.get("router", []), *args.router_arg]
+
+        commands["router"] = router_argv
+        sup.spawn("router", router_argv(), log_path=log_dir / "router.log")
+        retries = PORT_RETRIES
+
+        def started_again(exited: tuple[str, int]) -> bool:
+            """Whether the child that exited, ``(name, code)``, had lost a port to another process and now starts
+            again on new ones (not the router on ports the user gave)."""
+            nonlocal retries
+            name, code = exited
+            if code != EXIT_PORT_TAKEN or retries == 0 or (name == "router" and args.port and args.http_port):
+                return False
+            retries -= 1
+            print(f"pdserve up: {name} could not listen ({sup[name].tail(1).strip()}); starting it again on "
+                  "other ports", file=sys.stderr, flush=True)
+            sup.respawn(name, commands[name]())
+            return True
 
         deadline = time.monotonic() + READY_TIMEOUT_S
-        for name, address in endpoints.items():
+        for name in endpoints:  # endpoints[name] changes when that service starts again on another port
             probe_tls = None if name == "router" else client_tls  # the router's public port stays plaintext
-            while not wait_for_grpc_health(address, timeout_s=1.0, tls=probe_tls):
+            while not wait_for_grpc_health(endpoints[name], timeout_s=1.0, tls=probe_tls):
                 exited = sup.first_exited()
+                if exited is not None and exited[0] in commands and started_again(exited):
+                    continue
                 if exited is not None or stop.is_set() or time.monotonic() > deadline:
                     why = "stopped" if stop.is_set() else "timeout"
                     if exited:
                         why = f"{exited[0]} exited with {exited[1]}"
                     report = sup[exited[0]].exit_report() if exited else ""
-                    print(f"pdserve up: {name} did not become ready ({why}) {report}", file=sys.stderr)
+                    failed = exited[0] if exited else name  # the one that exited, not the one awaited
+                    print(f"pdserve up: {failed} did not become ready ({why}) {report}", file=sys.stderr)
                     return 1
         if not _wait_router_sees_workers(redis_url, args.prefill + args.decode, deadline, sup):
             exited = sup.first_exited()

@@ -184,7 +184,15 @@ def serve_worker(
     tls = TlsFiles.from_config(config)  # None: plaintext gRPC
     if tls is not None:
         tls.load()  # before the model loads: a bad certificate or key fails fast (ValueError naming the file)
-    engine = build_engine(config, role)
+    # The gRPC port, held from here until the server binds it: neither the model's load (tensor-parallel ranks
+    # connect through ephemeral ports) nor NIXL's UCX listeners may be handed it as an ephemeral one (hold_port).
+    held = hold_port(config.host, config.port)
+    try:
+        engine = build_engine(config, role)
+    except BaseException:
+        if held is not None:
+            held.close()
+        raise
     loop: EngineLoop | None = None
     try:
         identity = ModelIdentity.of_engine(engine)
@@ -198,12 +206,9 @@ def serve_worker(
         release_team()  # the engine steps on the loop's thread now: this one's OpenMP team (loading) would only
         # make libgomp put the step's idle threads to sleep (see common.engine.omp_teams)
         tracing = Tracing(f"pdserve-{role}", config.otlp_endpoint)
-        held = hold_port(config.host, config.port)  # NIXL's UCX listeners must not get the port as an ephemeral one
-        try:
-            parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
-        finally:
-            if held is not None:
-                held.close()
+        parts = make_parts(loop, identity, WorkerObs(metrics, tracing, stop_event.is_set))
+        if held is not None:
+            held.close()
         # a thread for every request the worker may hold (a Prefill call or a PushKv stream holds one until its
         # KV is sent): with fewer, calls past the pool waited unseen and the batch could not fill
         server, port, health = build_server(parts.add_to_server, parts.service_names, host=config.host,
@@ -319,4 +324,6 @@ def serve_worker(
             loop.stop()
         raise
     finally:
+        if held is not None:
+            held.close()  # a start that failed before the server bound the port (a second close does nothing)
         engine.close()  # with --tensor-parallel-size: stops and joins the follower processes (idempotent)

@@ -135,6 +135,26 @@ def test_env_is_added_to_the_inherited_environment(tmp_path, monkeypatch):
     assert proc.tail(1) == "yes added"
 
 
+def test_respawn_starts_an_exited_child_again_in_its_place(tmp_path):
+    with Supervisor() as sup:
+        sup.spawn("redis", SLEEP)
+        first = sup.spawn("prefill-0", ["sh", "-c", 'echo "try 1 $ADDED in $PWD"; exit 75'], env={"ADDED": "kept"},
+                          log_path=tmp_path / "prefill-0.log", cwd=tmp_path)  # fmt: skip
+        sup.spawn("router", SLEEP)
+        with pytest.raises(ValueError, match="'router' .* still runs"):
+            sup.respawn("router", SLEEP)
+        with pytest.raises(KeyError):
+            sup.respawn("decode-0", SLEEP)
+        assert wait_until(lambda: sup.first_exited() is not None, 5.0)
+        assert sup.first_exited() == ("prefill-0", 75)
+        again = sup.respawn("prefill-0", ["sh", "-c", 'echo "try 2 $ADDED in $PWD"; exec sleep 60'])
+        assert again is sup["prefill-0"] and again.pid != first.pid
+        assert wait_until(lambda: again.tail(1).startswith("try 2"), 5.0)
+        assert again.tail(2) == f"try 1 kept in {tmp_path}\ntry 2 kept in {tmp_path}"  # same log, env and folder
+        assert sup.first_exited() is None
+        assert [p.name for p in sup.processes] == ["redis", "prefill-0", "router"]  # stopped in the same order
+
+
 def test_children_die_when_the_supervisor_is_sigkilled(tmp_path):
     script = tmp_path / "sup.py"
     script.write_text(

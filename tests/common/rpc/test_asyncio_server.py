@@ -5,6 +5,7 @@ health and reflection answer, and ``stop`` ends open streams and the loop."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import threading
 
@@ -86,9 +87,12 @@ def test_more_open_streams_than_threads_plain_handlers_health_and_stop():
         channel.close()
 
 
-def test_a_taken_port_is_refused():
+@pytest.mark.parametrize("use_asyncio", [True, False], ids=["asyncio", "threads"])
+def test_a_taken_port_is_refused_with_the_os_reason(use_asyncio):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        with pytest.raises(OSError, match="cannot listen"):
-            build_server(lambda s: None, [SERVICE], port=taken.getsockname()[1], use_asyncio=True)
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: ") as refused:
+            build_server(lambda s: None, [SERVICE], port=port, use_asyncio=use_asyncio)
+    assert refused.value.errno == errno.EADDRINUSE  # `pdserve up` retries a worker on another port by it
