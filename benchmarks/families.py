@@ -5,11 +5,14 @@ Every family is a random-weight checkpoint of its own transformers classes at th
 once under build/families/. MoE families hold the same active MLP width per token as the Llama's 1,408: Qwen3-MoE
 32 experts of 352, top 4 (Qwen3-30B-A3B's proportions); Mixtral 8 of 704, top 2. For each: which of the engine's
 fused modules its layers run, and decode tokens/s of 1 stream (128 new tokens) and 16 streams (64 each) after
-64-token prompts, the median of --rounds, the time after every stream has its first token. Families are
-measured in turn, the Llama first and last (its two figures show the drift of the machine over the run).
+64-token prompts, the median of --rounds, the time after every stream has its first token; with --prefill N also
+prefill tokens/s of one N-token prompt (one step; the median of --rounds, each round a prompt of its own). Families
+are measured in turn, the Llama first and last (its two figures show the drift of the machine over the run).
+--prefill-attention sets the engine's prompt attention (auto: its kernels where they serve; sdpa: SDPA, or the
+plain tensor ops of attention_math.py for Gemma 2's soft cap and GPT-OSS's sinks).
 
   python benchmarks/families.py [--families llama,qwen3_moe,mixtral,gemma,phi3] [--dtype float32|bfloat16]
-      [--rounds 3] [--json]
+      [--rounds 3] [--prefill TOKENS] [--prefill-attention auto|kernel|sdpa] [--json]
 """
 
 from __future__ import annotations
@@ -103,14 +106,31 @@ def decode_rate(engine: LLMEngine, streams: int, new: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def measure(name: str, dtype: str, rounds: int) -> dict:
-    engine = LLMEngine(load_model(str(build(name)), dtype=dtype), EngineConfig(max_num_seqs=64, max_model_len=1024))
+def prefill_rate(engine: LLMEngine, tokens: int, seed: int) -> float:
+    """Prefill tokens/s of one ``tokens``-token prompt (its own tokens: no cached prefix), one step."""
+    engine.add_request([5 + (7 * j + 131 * seed) % 31000 for j in range(tokens)],
+                       SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))  # fmt: skip
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return tokens / (time.perf_counter() - t0)
+
+
+def measure(name: str, dtype: str, rounds: int, prefill: int = 0, prefill_attention: str = "auto") -> dict:
+    config = EngineConfig(max_num_seqs=64, max_model_len=max(1024, prefill + 64),
+                          max_num_batched_tokens=max(2048, prefill), prefill_attention=prefill_attention)
+    engine = LLMEngine(load_model(str(build(name)), dtype=dtype), config)
     kinds = collections.Counter(type(m).__name__ for m in engine.loaded.model.modules())
     decode_rate(engine, 1, 8)  # warm-up
     one = statistics.median(decode_rate(engine, 1, 128) for _ in range(rounds))
     sixteen = statistics.median(decode_rate(engine, 16, 64) for _ in range(rounds))
-    return {"family": name, "fused": {k: kinds[k] for k in FUSED if kinds[k]}, "flat_forward":
-            engine.runner.flat is not None, "tok_s_1": round(one, 1), "tok_s_16": round(sixteen, 1)}  # fmt: skip
+    row = {"family": name, "fused": {k: kinds[k] for k in FUSED if kinds[k]}, "flat_forward":
+           engine.runner.flat is not None, "tok_s_1": round(one, 1), "tok_s_16": round(sixteen, 1)}  # fmt: skip
+    if prefill:
+        prefill_rate(engine, prefill, seed=rounds)  # warm-up
+        row["prefill_kernel"] = engine.runner.prefill_kernel
+        row["prefill_tok_s"] = round(statistics.median(prefill_rate(engine, prefill, r) for r in range(rounds)), 1)
+    return row
 
 
 def main() -> int:
@@ -120,6 +140,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill", type=int, default=0, metavar="TOKENS", help="also prefill tokens/s of such a prompt")
+    ap.add_argument("--prefill-attention", default="auto", choices=("auto", "kernel", "sdpa"))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     names = [n for n in args.families.split(",") if n and n != "llama"]
@@ -128,21 +150,27 @@ def main() -> int:
         ap.error(f"unknown families: {', '.join(unknown)}")
     torch.set_num_threads(args.threads)
     logging.disable(logging.WARNING)
-    rows = [measure(n, args.dtype, args.rounds) for n in ["llama", *names, "llama"]]
-    base_1 = statistics.mean(r["tok_s_1"] for r in (rows[0], rows[-1]))
-    base_16 = statistics.mean(r["tok_s_16"] for r in (rows[0], rows[-1]))
-    for r in rows:
-        r["vs_llama_1"], r["vs_llama_16"] = round(r["tok_s_1"] / base_1, 2), round(r["tok_s_16"] / base_16, 2)
+    rows = [measure(n, args.dtype, args.rounds, args.prefill, args.prefill_attention)
+            for n in ["llama", *names, "llama"]]  # fmt: skip
+    keys = ["tok_s_1", "tok_s_16", *(["prefill_tok_s"] if args.prefill else [])]
+    for key in keys:
+        base = statistics.mean(r[key] for r in (rows[0], rows[-1]))
+        for r in rows:
+            r[key.replace("tok_s", "vs_llama")] = round(r[key] / base, 2)
     if args.json:
         print(json.dumps({"machine": platform.processor() or platform.machine(), "dtype": args.dtype,
-                          "threads": args.threads, "rows": rows}, indent=2))  # fmt: skip
+                          "threads": args.threads, "prefill": args.prefill,
+                          "prefill_attention": args.prefill_attention, "rows": rows}, indent=2))  # fmt: skip
         return 0
-    print(f"dtype {args.dtype}, {args.threads} threads; decode tok/s (x the Llama's, mean of its two runs)")
+    print(f"dtype {args.dtype}, {args.threads} threads; decode tok/s (x the Llama's, mean of its two runs)"
+          + (f"; prefill of {args.prefill} tokens, prompt attention {args.prefill_attention}" if args.prefill else ""))
     for r in rows:
         fused = ", ".join(f"{k} {v}" for k, v in r["fused"].items()) or "none"
+        prefill = (f"  prefill {r['prefill_tok_s']:7.1f} ({r['prefill_vs_llama']:.2f}x, "
+                   f"{'kernel' if r['prefill_kernel'] else 'sdpa'})" if args.prefill else "")  # fmt: skip
         print(f"{r['family']:10s} 1 stream {r['tok_s_1']:7.1f} ({r['vs_llama_1']:.2f}x)  16 streams "
-              f"{r['tok_s_16']:7.1f} ({r['vs_llama_16']:.2f}x)  flat forward {'on' if r['flat_forward'] else 'off'};"
-              f" fused: {fused}")  # fmt: skip
+              f"{r['tok_s_16']:7.1f} ({r['vs_llama_16']:.2f}x){prefill}  flat forward "
+              f"{'on' if r['flat_forward'] else 'off'}; fused: {fused}")  # fmt: skip
     return 0
 
 

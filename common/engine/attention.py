@@ -154,12 +154,20 @@ def _kernel_attention(
     q = q_tok[group.token_start : group.token_start + b]
     out = torch.empty(q.shape, dtype=q.dtype)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    softcap, sinks = (0.0, None) if extras is None else (extras.softcap or 0.0, extras.sinks)
-    if sinks is not None:
-        sinks = sinks.detach().float().contiguous()
     torch.ops.pdserve.paged_decode_attention(out, q, meta.kv_cache.data, layer, group.block_table, group.seq_lens,
-                                             scale, sliding_window or 0, softcap, sinks)  # fmt: skip
+                                             scale, sliding_window or 0, *kernel_extras(extras))  # fmt: skip
     return out
+
+
+def kernel_extras(extras: LogitExtras | None) -> tuple[float, torch.Tensor | None]:
+    """``extras`` as the CPU attention kernels take them: the soft cap (0.0: none) and the sinks as a contiguous
+    float [Hq] tensor (None: none; the fused GPT-OSS attention hands them over in float already)."""
+    if extras is None:
+        return 0.0, None
+    sinks = extras.sinks
+    if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous() or sinks.requires_grad):
+        sinks = sinks.detach().float().contiguous()
+    return extras.softcap or 0.0, sinks
 
 
 def _fresh_attention(
@@ -174,28 +182,30 @@ def _fresh_attention(
 ) -> None:
     """Whole prompts attending causally to their own K/V, on the step's tensors (no gather, no padding to the
     longest prompt, no mask): one varlen kernel call where one is installed for the device and dtype
-    (:func:`varlen_kernel`) and no ``extras`` are asked for, else one ``is_causal`` SDPA per prompt. The caller
-    checked that no prompt is longer than ``sliding_window`` unless a varlen kernel runs (which applies the window
-    itself)."""
+    (:func:`varlen_kernel`) that computes the ``extras`` asked for (the CPU kernels do), else one ``is_causal`` SDPA
+    per prompt (plain tensor ops with ``extras``). The caller checked that no prompt is longer than
+    ``sliding_window`` unless a varlen kernel runs (which applies the window itself)."""
     own = slice(group.token_start, group.token_start + int(group.fresh_bounds[-1]))
-    kernel = varlen_kernel(query, group.cpu_prefill_kernel) if extras is None else None
+    kernel = varlen_kernel(query, group.cpu_prefill_kernel, extras)
     if kernel is not None:
-        # what the first call of each kind checks: the causal mask alone, or with a window that cuts a prompt
-        mode = "window" if sliding_window is not None and group.num_keys > sliding_window else "causal"
+        # what the first call of each kind checks: the causal mask alone, or with a window that cuts a prompt, each
+        # with the logit extras asked for
+        windowed = sliding_window is not None and group.num_keys > sliding_window
+        mode = _mode(windowed, extras)
         q, k, v = (t[0, :, own].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
         if not kernel.strided:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         bounds = group.fresh_bounds.to(query.device, non_blocking=True)
-        window = sliding_window if mode == "window" else None  # a window no prompt reaches is no window
+        window = sliding_window if windowed else None  # a window no prompt reaches is no window
         if mode in kernel.verified:
-            kernel.into(out[own], q, k, v, bounds, group.num_keys, scaling, window)
+            kernel.into(out[own], q, k, v, bounds, group.num_keys, scaling, window, extras)
             return
         try:
-            o = kernel(q, k, v, bounds, group.num_keys, scaling, window)
+            o = kernel(q, k, v, bounds, group.num_keys, scaling, window, extras)
         except Exception as exc:  # noqa: BLE001  (unsupported head size, GPU generation, ...: per-prompt SDPA)
             _drop_varlen(kernel, f"raised {exc!r}")
         else:
-            if _verify_varlen(kernel, mode, o, group, query, key, value, scaling, sliding_window):
+            if _verify_varlen(kernel, mode, o, group, query, key, value, scaling, sliding_window, extras):
                 out[own] = o
                 return
     _fresh_attention_sdpa(group, query, key, value, out, scaling, sliding_window, extras)
@@ -220,22 +230,36 @@ class VarlenKernel:
     int32 on the device, longest, scale, sliding window) -> [T, Hq, D]``, each prompt causal over its own keys.
     ``strided``: q, k, v may be views with any token and head strides (unit stride in D), as the step made them.
     ``writes_into``: ``fn`` also takes ``out=``, a [T, Hq, D] view (unit stride in D) to write instead of a new
-    tensor (the step's output rows: no copy of a 2,048-token prompt's 4 MB a layer)."""
+    tensor (the step's output rows: no copy of a 2,048-token prompt's 4 MB a layer). ``takes_extras``: ``fn`` also
+    takes ``extras=`` (:class:`LogitExtras`: a soft cap, sink logits) and computes them."""
 
-    def __init__(self, name: str, fn: Callable, strided: bool = False, writes_into: bool = False) -> None:
+    def __init__(self, name: str, fn: Callable, strided: bool = False, writes_into: bool = False,
+                 takes_extras: bool = False) -> None:  # fmt: skip
         self.name, self.fn, self.strided, self.writes_into = name, fn, strided, writes_into
-        self.verified: set[str] = set()  # "causal", "window": kinds of call whose output matched per-prompt SDPA
+        self.takes_extras = takes_extras
+        # "causal", "window" (then "+softcap", "+sinks" where asked for): kinds of call whose output matched
+        # per-prompt SDPA (or the plain-op attention of those extras)
+        self.verified: set[str] = set()
         self.failed = ""
 
-    def __call__(self, q, k, v, bounds, longest: int, scale: float | None, window: int | None) -> torch.Tensor:
-        return self.fn(q, k, v, bounds, longest, scale, window)
+    def __call__(self, q, k, v, bounds, longest: int, scale: float | None, window: int | None,
+                 extras: LogitExtras | None = None) -> torch.Tensor:  # fmt: skip
+        return self.fn(q, k, v, bounds, longest, scale, window, **self._extras(extras))
 
-    def into(self, out: torch.Tensor, q, k, v, bounds, longest: int, scale: float | None, window: int | None) -> None:
+    def into(self, out: torch.Tensor, q, k, v, bounds, longest: int, scale: float | None, window: int | None,
+             extras: LogitExtras | None = None) -> None:  # fmt: skip
         """The output written into ``out``: in place where the kernel ``writes_into``, else copied there."""
         if self.writes_into:
-            self.fn(q, k, v, bounds, longest, scale, window, out=out)
+            self.fn(q, k, v, bounds, longest, scale, window, out=out, **self._extras(extras))
         else:
-            out.copy_(self.fn(q, k, v, bounds, longest, scale, window))
+            out.copy_(self.fn(q, k, v, bounds, longest, scale, window, **self._extras(extras)))
+
+    def _extras(self, extras: LogitExtras | None) -> dict:
+        if extras is None:
+            return {}
+        if not self.takes_extras:
+            raise RuntimeError(f"varlen attention {self.name} computes no {extras}")
+        return {"extras": extras}
 
 
 _VARLEN: dict[str, VarlenKernel | None] = {}  # by device type and dtype; None: none usable
@@ -280,51 +304,66 @@ def _torch_varlen() -> VarlenKernel | None:
     return VarlenKernel("torch.nn.attention.varlen.varlen_attn", run)
 
 
-def varlen_kernel(query: torch.Tensor, cpu_kernel: bool = False) -> VarlenKernel | None:
+def varlen_kernel(query: torch.Tensor, cpu_kernel: bool = False,
+                  extras: LogitExtras | None = None) -> VarlenKernel | None:  # fmt: skip
     """The varlen kernel for ``query``'s device and dtype: flash-attn's when installed, else torch's (CUDA, fp16 or
     bf16 only); on the CPU in bf16 or fp32 the engine's own where ``cpu_kernel`` (:func:`cpu_prefill_kernel_chosen`);
-    else None."""
+    else None. With ``extras`` (a soft cap, sinks) only a kernel that computes them: the CPU kernel's."""
     if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float32) and cpu_kernel:
         key = cpu_kernel_key(query.dtype)
         if key not in _VARLEN:
             _VARLEN[key] = _cpu_prefill_varlen()
-        return _VARLEN[key]
-    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
+        kernel = _VARLEN[key]
+    elif query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
         return None
-    key = f"{query.device.type}:{query.dtype}"
-    if key not in _VARLEN:
-        _VARLEN[key] = _flash_attn_varlen() or _torch_varlen()
-    return _VARLEN[key]
+    else:
+        key = f"{query.device.type}:{query.dtype}"
+        if key not in _VARLEN:
+            _VARLEN[key] = _flash_attn_varlen() or _torch_varlen()
+        kernel = _VARLEN[key]
+    return None if kernel is None or (extras is not None and not kernel.takes_extras) else kernel
 
 
 def _cpu_prefill_varlen() -> VarlenKernel:
-    def run(q, k, v, bounds, longest, scale, window, out=None):
+    def run(q, k, v, bounds, longest, scale, window, out=None, extras=None):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
         torch.ops.pdserve.prefill_attention(out, q, k, v, bounds, q.shape[-1] ** -0.5 if scale is None else scale,
-                                            window or 0)  # fmt: skip
+                                            window or 0, *kernel_extras(extras))  # fmt: skip
         return out
 
-    return VarlenKernel("pdserve.prefill_attention", run, strided=True, writes_into=True)
+    return VarlenKernel("pdserve.prefill_attention", run, strided=True, writes_into=True, takes_extras=True)
 
 
-def cpu_prefill_kernel_chosen(choice: str, dtype: torch.dtype, head_dim: int | None = None) -> bool:
+def _mode(windowed: bool, extras: LogitExtras | None) -> str:
+    """A kind of kernel call, checked once against the path it replaces: ``causal`` or ``window`` (a window that
+    cuts a sequence), then ``+softcap``, ``+sinks`` for the logit extras asked for."""
+    mode = "window" if windowed else "causal"
+    if extras is not None:
+        mode += "+softcap" * (extras.softcap is not None) + "+sinks" * (extras.sinks is not None)
+    return mode
+
+
+def cpu_prefill_kernel_chosen(choice: str, dtype: torch.dtype, head_dim: int | None = None,
+                              extras: bool = False) -> bool:  # fmt: skip
     """Whether prefill groups attend by the engine's kernels (``torch.ops.pdserve.prefill_attention``,
     ``paged_prefill_attention``) for ``EngineConfig.prefill_attention`` ``choice``, on a CPU whose engine kernels
     loaded, in ``dtype``: ``kernel`` where the build has them (AVX2 and FMA, both dtypes in float; AVX-512, bf16
     there with AVX512-BF16), ``auto`` there too except bf16 on CPUs with AMX where the kernel has no AMX path for
     ``head_dim`` (``prefill_attention_amx``: head dims 32, 64, 96, 128; torch's flash attention runs on AMX tiles
-    there and beat the vdpbf16ps kernel), ``sdpa`` never. 2,048 tokens of 16 heads of 64 over 8 KV heads in bf16:
-    on a 2-core Zen 4 VM 29 ms a layer against SDPA's 71, on a 2-core Xeon with AMX ~12 against ~23, heads of 128
-    ~23 against ~30, on a 2-core Zen 3 VM (AVX2) ~70 against ~95 (docs/benchmarks.md)."""
+    there and beat the vdpbf16ps kernel) and the model asks for no logit ``extras`` (a soft cap, sinks: SDPA computes
+    neither, the plain tensor ops that would read every prompt's whole score matrix several times), ``sdpa`` never.
+    2,048 tokens of 16 heads of 64 over 8 KV heads in bf16: on a 2-core Zen 4 VM 29 ms a layer against SDPA's 71,
+    on a 2-core Xeon with AMX ~12 against ~23, heads of 128 ~23 against ~30, on a 2-core Zen 3 VM (AVX2) ~70
+    against ~95 (docs/benchmarks.md)."""
     if choice == "sdpa" or dtype not in (torch.bfloat16, torch.float32):
         return False
     if not torch.ops.pdserve.prefill_attention_supported(dtype):
         if choice == "kernel":
             log.warning("prefill_attention=kernel: this build has no %s kernel; prompts attend by SDPA", dtype)
         return False
-    if choice == "kernel" or dtype != torch.bfloat16 or "amx_bf16" not in cpu_kernels.cpu_flags():
+    if choice == "kernel" or dtype != torch.bfloat16 or extras or "amx_bf16" not in cpu_kernels.cpu_flags():
         return True
     return head_dim is not None and torch.ops.pdserve.prefill_attention_amx(head_dim)
 
@@ -342,16 +381,26 @@ def cpu_kernel_key(dtype: torch.dtype, paged: bool = False) -> str:
 
 
 def _verify_varlen(kernel: VarlenKernel, mode: str, got: torch.Tensor, group, query, key, value, scaling,
-                   sliding_window) -> bool:  # fmt: skip
-    """The kernel's first output of a kind (``mode``) against per-prompt SDPA: kept when within the dtype's
-    rounding (1e-2 relative to the largest output, at least 1e-2), else dropped for good with a warning."""
-    want = torch.empty_like(got)
+                   sliding_window, extras: LogitExtras | None = None) -> bool:  # fmt: skip
+    """The kernel's first output of a kind (``mode``) against per-prompt SDPA (with ``extras``: the plain-op
+    attention of attention_math.py, in float: see :func:`_reference_dtype`): kept when within the dtype's rounding
+    (1e-2 relative to the largest output, at least 1e-2), else dropped for good with a warning."""
+    dtype = _reference_dtype(query.dtype, extras)
+    want = torch.empty_like(got, dtype=dtype)
     start = group.token_start
     relative = AttentionGroup(gather_index=None, query_pos=group.query_pos, fresh_prompt=group.fresh_prompt,
                               fresh_bounds=group.fresh_bounds, num_keys=group.num_keys)  # token_start 0
-    _fresh_attention_sdpa(relative, query[:, :, start:], key[:, :, start:], value[:, :, start:], want, scaling,
-                          sliding_window)  # fmt: skip
-    return _check_first(kernel, mode, got, want, "per-prompt SDPA")
+    _fresh_attention_sdpa(relative, *(t[:, :, start:].to(dtype) for t in (query, key, value)), want, scaling,
+                          sliding_window, extras)  # fmt: skip
+    return _check_first(kernel, mode, got, want, "per-prompt SDPA" if extras is None else "per-prompt plain ops")
+
+
+def _reference_dtype(dtype: torch.dtype, extras: LogitExtras | None) -> torch.dtype:
+    """The dtype a kernel's first call of a kind is checked in: its own, but float where a 16-bit model asks for
+    logit extras. Their plain ops round every logit to 16 bits before the cap and the softmax (Gemma 2's eager
+    attention in bf16: logits near a cap of 50 to steps of 0.25), far from what the kernels compute in float; a
+    Gemma 2 family checkpoint's first 2,048-token prompt differed by 0.125 where the outputs reached ~5.5."""
+    return torch.float32 if extras is not None and dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def _check_first(kernel: VarlenKernel, mode: str, got: torch.Tensor, want: torch.Tensor, against: str) -> bool:
@@ -469,8 +518,7 @@ def paged_attention(
     out = torch.empty(num_tokens, h_q, d, dtype=query.dtype, device=query.device)
     for group in meta.groups:  # at most two: decode, prefill
         windowed = sliding_window is not None and group.num_keys > sliding_window  # a prompt past the window
-        if group.fresh_prompt and (not windowed or extras is None
-                                   and varlen_kernel(query, group.cpu_prefill_kernel) is not None):  # fmt: skip
+        if group.fresh_prompt and (not windowed or varlen_kernel(query, group.cpu_prefill_kernel, extras) is not None):
             _fresh_attention(group, query, key, value, out, scaling, sliding_window, extras)
             continue
         if group.seq_lens is not None:
@@ -478,17 +526,11 @@ def paged_attention(
                 group, meta, layer, q_tok, scaling, sliding_window, extras
             )
             continue
-        if group.kernel_spans is not None:
-            _no_extras(extras)
-            if _paged_prefill(group, meta, layer, q_tok, out, scaling, sliding_window):
-                continue
+        if group.kernel_spans is not None and _paged_prefill(group, meta, layer, q_tok, out, scaling, sliding_window,
+                                                             extras):  # fmt: skip
+            continue
         _gathered_attention(group, meta, layer, q_tok, out, scaling, sliding_window, extras)
     return out.unsqueeze(0), None
-
-
-def _no_extras(extras: LogitExtras | None) -> None:
-    if extras is not None:  # the engine builds a model that asks for them without its prefill kernels
-        raise RuntimeError(f"the engine's CPU prefill attention kernels compute no {extras}")
 
 
 def _gathered_attention(group, meta, layer, q_tok, out, scaling, sliding_window, extras=None) -> None:
@@ -505,35 +547,38 @@ def _gathered_attention(group, meta, layer, q_tok, out, scaling, sliding_window,
         out[group.token_index[group.valid]] = o[group.valid]
 
 
-def _paged_prefill(group, meta, layer, q_tok, out, scaling, sliding_window) -> bool:
+def _paged_prefill(group, meta, layer, q_tok, out, scaling, sliding_window, extras=None) -> bool:
     """Prefill chunks that continue their sequences, by ``torch.ops.pdserve.paged_prefill_attention`` (keys read
-    from the paged cache, no gather, no padding, no mask tensor); False when that kernel was dropped. Its first call
-    of each kind (causal, sliding window) is checked against the gathered path, as a varlen kernel's first call is,
-    and the kernel dropped for good on a difference or an exception (the gathered result is then the output)."""
+    from the paged cache, no gather, no padding, no mask tensor; a soft cap and sinks where ``extras`` has them);
+    False when that kernel was dropped. Its first call of each kind (causal, sliding window, each with its extras) is
+    checked against the gathered path, as a varlen kernel's first call is, and the kernel dropped for good on a
+    difference or an exception (the gathered result is then the output)."""
     key = cpu_kernel_key(q_tok.dtype, paged=True)
     if key not in _VARLEN:  # its state only (checks, failure): the op is called below
         _VARLEN[key] = VarlenKernel("pdserve.paged_prefill_attention", None)
     kernel = _VARLEN[key]
     if kernel is None:
         return False
-    mode = "window" if sliding_window is not None and group.num_keys > sliding_window else "causal"
-    window = sliding_window if mode == "window" else 0
+    windowed = sliding_window is not None and group.num_keys > sliding_window
+    mode, window = _mode(windowed, extras), sliding_window if windowed else 0
     scale = q_tok.shape[-1] ** -0.5 if scaling is None else scaling
 
     def run(into: torch.Tensor) -> None:
         torch.ops.pdserve.paged_prefill_attention(into, q_tok, meta.kv_cache.data, layer, group.kernel_table,
-                                                  group.kernel_spans, scale, window)  # fmt: skip
+                                                  group.kernel_spans, scale, window,
+                                                  *kernel_extras(extras))  # fmt: skip
 
     if mode in kernel.verified:
         run(out)
         return True
-    want = out.clone()
     try:
         run(out)
     except Exception as exc:  # noqa: BLE001  (a check of the kernel's own: the gathered path serves)
         _drop_varlen(kernel, f"raised {exc!r}")
         return False
-    _gathered_attention(group, meta, layer, q_tok, want, scaling, sliding_window)
+    dtype = _reference_dtype(q_tok.dtype, extras)
+    want = out.to(dtype, copy=True)  # the rows of other groups as they are
+    _gathered_attention(group, meta, layer, q_tok.to(dtype), want, scaling, sliding_window, extras)
     if not _check_first(kernel, mode, out, want, "the gathered path"):
         out.copy_(want)
     return True

@@ -5,8 +5,10 @@ them): Gemma 2 caps its logits softly (``softcap``: ``cap * tanh(logits / cap)``
 learned sink logit per query head to each softmax (``s_aux``: a column that takes probability and gives no value).
 :func:`attend` computes attention as ``transformers``' own eager functions for those models do, op for op
 (``gemma2.eager_attention_forward``, ``gpt_oss.eager_attention_forward``), on the shapes the paged attention
-function hands SDPA; SDPA itself runs whenever neither is asked for. An engine serving such a model keeps its
-attention on these paths (no CPU attention kernel, no varlen kernel: none of them computes either).
+function hands SDPA; SDPA itself runs whenever neither is asked for. The engine's CPU attention kernels compute
+both (decode: ``paged_decode_attention``; prefill: ``prefill_attention``, ``paged_prefill_attention``, whose first
+call of each kind is checked against :func:`attend`); other devices' varlen kernels compute neither, so there such
+a model's attention takes these paths.
 
 Query layouts (``q`` [B, H, Q, D], ``k``/``v`` [B, Hk, K, D]):
 

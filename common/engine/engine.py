@@ -140,16 +140,14 @@ class LLMEngine(KVHandoffMixin):
         # with graphs, one block more than the pool hands out: where the padding rows of a graph step write
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks + graphs, self.device)
         self.kv_cache.write_kernel = kernels
-        # a soft cap or sink logits: the decode kernel computes them; prefill attention in plain tensor ops
-        # (attention_math.py)
-        extras = attends.extras
-        if extras:
-            log.info("attention with %s: the engine's prefill attention kernels stay off", ", ".join(sorted(extras)))
+        # a soft cap or sink logits (attends.extras): the CPU attention kernels compute them, other devices' in plain
+        # tensor ops (attention_math.py)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, decode_kernel=kernels,
                                   flat_forward=config.flat_forward,
-                                  prefill_kernel=kernels and not extras
+                                  prefill_kernel=kernels
                                   and attention.cpu_prefill_kernel_chosen(config.prefill_attention, loaded.dtype,
-                                                                           self.kv_spec.head_dim))
+                                                                           self.kv_spec.head_dim,
+                                                                           extras=bool(attends.extras)))
         if graphs:
             max_blocks = -(-self.max_model_len // config.block_size)
             self.runner.use_graphs(max_batch=config.max_num_seqs, max_blocks=max_blocks, scratch_block=num_blocks)

@@ -45,7 +45,9 @@ _ROPE_ATTENTIONS = {
     "Gemma3Attention": lambda module: {"sliding_window": module.sliding_window},
     # GPT-OSS: Llama's with biases, a window on some layers and a sink logit per query head (its rotary embedding
     # gives each angle once: the kernel takes cos and sin of half a head, common/engine/csrc/rotary.cpp)
-    "GptOssAttention": lambda module: {"sliding_window": module.sliding_window, "s_aux": module.sinks},
+    # (the sinks in float once, as the CPU kernels take them; the plain-op path rounds them back exactly)
+    "GptOssAttention": lambda module: {"sliding_window": module.sliding_window,
+                                       "s_aux": module.sinks.detach().float().contiguous()},
     # OLMo 2 and 3: q and k normed over all their heads at once (OLMo 3: a window on some layers)
     "Olmo2Attention": lambda module: {},
     "Olmo3Attention": lambda module: {"sliding_window": module.sliding_window},

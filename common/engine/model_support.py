@@ -14,13 +14,14 @@ between steps. That is the model's own computation only when
    ``multi_query``, not ``num_key_value_heads``);
 4. it asks for no attention the engine does not compute: bidirectional attention, a mask other than causal,
    chunked attention over prompts longer than a chunk (Llama 4), or options it does not know. A soft cap on the
-   logits (Gemma 2's ``softcap``) and sink logits (GPT-OSS's ``s_aux``) it computes in plain tensor ops
-   (:mod:`common.engine.attention_math`), not by its attention kernels.
+   logits (Gemma 2's ``softcap``) and sink logits (GPT-OSS's ``s_aux``) it computes in its CPU attention kernels,
+   elsewhere in plain tensor ops (:mod:`common.engine.attention_math`).
 
 :func:`check_model` runs the model's forward once on a few tokens with a probe registered as its attention
 function (no cache touched; the probe returns zeros), raises :class:`UnsupportedModelError` naming the first
 condition that fails, and otherwise returns an :class:`AttentionShape`: the KV heads and head size each layer
-caches, and the logit extras the model asks for (the engine then keeps its attention kernels off). An error
+caches, and the logit extras the model asks for (on AMX CPUs the engine's bf16 prefill kernel then takes such a
+model's prompts by default, as SDPA computes no extras). An error
 beats serving output that silently differs from the model's: the engine's oracle (greedy output equal to stock
 ``generate``) holds for what passes; tests/common/engine/test_architectures.py runs it on tiny checkpoints of
 twenty-three more families and checks the refusals.
@@ -45,7 +46,7 @@ _PROBING = threading.Lock()  # one probe at a time: they share PROBE_NAME in tra
 # and False are ignored too: an unused option)
 _HARMLESS = frozenset({METADATA_KWARG, "position_ids", "use_cache", "output_attentions", "output_router_logits",
                        "cache_position", "position_embeddings", "is_causal"})  # fmt: skip
-# the ones computed by common/engine/attention_math.py (LogitExtras), not by the attention kernels
+# the ones the CPU attention kernels and common/engine/attention_math.py (LogitExtras) compute
 _EXTRAS = frozenset({"softcap", "s_aux"})
 
 

@@ -21,6 +21,11 @@
 //
 // q: [tokens, query heads, head_dim] with unit stride in head_dim (the step's fused q|k|v product, read in place);
 // out: the same shape.
+//
+// Logit extras, as the decode kernel (paged_attention.cpp) computes them: a soft cap (Gemma 2: each scaled score s
+// becomes cap * tanh(s / cap), tanh from the kernels' exp2) and sink logits (GPT-OSS: one per query head, a column
+// of the softmax that weighs no value: a row's running maximum starts at its sink and its sum at 1). The AMX path
+// takes neither: layers with them run the vdpbf16ps kernel there.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,6 +40,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -72,6 +78,12 @@ bool prefill_attention_supported(c10::ScalarType dtype) {
 #endif
   return false;
 }
+
+// The logit extras of a call: a soft cap (0: none) and sink logits ([query heads] float, or none).
+struct Extras {
+  double softcap = 0.;
+  const float* sinks = nullptr;
+};
 
 // A sequence of a call: queries at rows [t0, t0 + n) of q and out, at positions [pos0, pos0 + n); keys [0, pos0 + n).
 struct Seq {
@@ -148,6 +160,11 @@ struct Layout {
   int64_t q_heads, kv_heads, dim;
   float scale_log2;  // scale * log2(e)
   int64_t window;    // 0: none
+  float cap_log2;        // soft cap * log2(e); 0: none
+  float scale_over_cap;  // scale / soft cap
+  const float* sinks;    // [q_heads] sink logits (natural units), or nullptr
+  // a row's softmax before its first key: its sink in log2 units (the maximum), or none yet
+  float start_log2(int64_t h) const { return sinks != nullptr ? sinks[h] * 1.4426950408889634f : NEG; }
 };
 
 // The keys [0, len) of one (sequence, KV head), whose K and V rows key_row(j) and value_row(j) give, into kp
@@ -176,6 +193,24 @@ void pack_kv(int64_t len, int64_t dim, const KeyRow& key_row, const ValueRow& va
 }
 
 #if defined(__AVX512F__)
+
+// tanh(y) as (1 - e) / (1 + e), e = 2^(-2|y| log2(e)), with y's sign: the decode kernel's tanh_of (exp.h), 16 lanes.
+inline __m512 tanh16(__m512 y) {
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512 a = _mm512_andnot_ps(sign, y);
+  const __m512 e = exp2_nonpositive<true>(_mm512_mul_ps(a, _mm512_set1_ps(-2.8853900817779268f)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  return _mm512_or_ps(t, _mm512_and_ps(y, sign));
+}
+
+// Raw scores to the softmax's log2 units: s * scale * log2(e), or with a soft cap cap * tanh(s * scale / cap) * log2(e)
+template <typename T>
+inline __m512 logits16(const Layout<T>& L, __m512 s) {
+  if (L.cap_log2 > 0.f)
+    return _mm512_mul_ps(_mm512_set1_ps(L.cap_log2), tanh16(_mm512_mul_ps(s, _mm512_set1_ps(L.scale_over_cap))));
+  return _mm512_mul_ps(s, _mm512_set1_ps(L.scale_log2));
+}
 
 // Scores of R rows (q rows given) against the 64 keys of one packed block: s[r][c] covers keys 16c..16c+15.
 template <typename T, int R>
@@ -240,7 +275,6 @@ void rows_over_block(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, in
   for (int r = 0; r < R; ++r) qrows[r] = L.q + (t0 + r0 + r) * L.q_s0 + h * L.q_s1;
   __m512 s[RS][4];
   score_block<T, R>(s, qrows, kp + kb * units * BK, units);
-  const __m512 scale = _mm512_set1_ps(L.scale_log2);
   alignas(64) uint32_t prob[RS * BK];
   alignas(64) float diff[16] = {}, alpha[16];
   float m_new[RS];
@@ -257,7 +291,7 @@ void rows_over_block(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, in
           valid[r][c] &= _mm512_cmpgt_epi32_mask(j, _mm512_set1_epi32(static_cast<int>(i - L.window)));
       }
     }
-    for (int c = 0; c < 4; ++c) s[r][c] = _mm512_mask_mul_ps(_mm512_set1_ps(NEG), valid[r][c], s[r][c], scale);
+    for (int c = 0; c < 4; ++c) s[r][c] = _mm512_mask_mov_ps(_mm512_set1_ps(NEG), valid[r][c], logits16(L, s[r][c]));
     const __m512 top = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]), _mm512_max_ps(s[r][2], s[r][3]));
     m_new[r] = std::max(m[r], _mm512_reduce_max_ps(top));
     diff[r] = m[r] - m_new[r];
@@ -306,7 +340,9 @@ void group_rows(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_t
                 const uint32_t* vp, float* o) {
   float m[RS];
   __m512 l[RS];
-  for (int r = 0; r < R; ++r) m[r] = NEG, l[r] = _mm512_setzero_ps();
+  const float start = L.start_log2(h);  // a sink: the sum starts at its 2^0 = 1
+  const __m512 l0 = L.sinks != nullptr ? _mm512_maskz_mov_ps(1, _mm512_set1_ps(1.f)) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) m[r] = start, l[r] = l0;
   std::fill(o, o + R * L.dim, 0.f);
   const int64_t first = pos0 + r0, last = first + R - 1;  // positions; the group's last row sees the most keys
   const int64_t first_key = L.window > 0 ? std::max<int64_t>(0, first - L.window + 1) : 0;
@@ -718,6 +754,16 @@ inline __m256 exp2_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// tanh(y) as (1 - e) / (1 + e), e = 2^(-2|y| log2(e)), with y's sign: the decode kernel's tanh_of (exp.h), 8 lanes.
+inline __m256 tanh8(__m256 y) {
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256 a = _mm256_andnot_ps(sign, y);
+  const __m256 e = exp2_nonpositive(_mm256_mul_ps(a, _mm256_set1_ps(-2.8853900817779268f)));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_or_ps(t, _mm256_and_ps(y, sign));
+}
+
 // Register blocks of 6 rows x 16 keys (scores) or x 16 dims (outputs): 12 accumulators, 2 vectors of keys or values
 // and a broadcast take 15 of the 16 registers; 8 loads a 12 FMAs. (3 x 32: 17 registers, and GCC read the keys
 // from memory at every FMA.)
@@ -782,7 +828,8 @@ void rows_over_block(const Layout<T>& L, int64_t pos, int64_t kb, bool masked, c
   const int64_t vecs = (keys + 7) / 8;
   alignas(32) float s[RS2][BK];
   score_rows<R>(s, q, kp + kb * L.dim * BK, L.dim, (keys + 15) / 16 * 16);
-  const __m256 scale = _mm256_set1_ps(L.scale_log2), neg = _mm256_set1_ps(NEG);
+  const __m256 scale = _mm256_set1_ps(L.cap_log2 > 0.f ? L.scale_over_cap : L.scale_log2), neg = _mm256_set1_ps(NEG);
+  const __m256 cap = _mm256_set1_ps(L.cap_log2);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   alignas(32) float diff[8] = {}, alpha[8];
   __m256 valid[RS2][BK / 8];
@@ -791,6 +838,7 @@ void rows_over_block(const Layout<T>& L, int64_t pos, int64_t kb, bool masked, c
     __m256 top = neg;
     for (int64_t c = 0; c < vecs; ++c) {
       __m256 x = _mm256_mul_ps(_mm256_load_ps(s[r] + 8 * c), scale);
+      if (L.cap_log2 > 0.f) x = _mm256_mul_ps(cap, tanh8(x));  // cap * tanh(s * scale / cap) * log2(e)
       if (masked) {  // key j visible to the row at position i iff j <= i (and j > i - window)
         const __m256i j = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(kb * BK + 8 * c)));
         __m256i ok = _mm256_xor_si256(_mm256_cmpgt_epi32(j, _mm256_set1_epi32(static_cast<int>(i))),
@@ -838,10 +886,12 @@ void attend_item(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, int64_
   float* o = q + BQ * dim;
   alignas(32) float m[BQ];
   __m256 l[BQ];
+  const float start = L.start_log2(h);  // a sink: the sum starts at its 2^0 = 1
+  const __m256 l0 = L.sinks != nullptr ? _mm256_setr_ps(1.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f) : _mm256_setzero_ps();
   for (int64_t r = 0; r < n; ++r) {
     const T* row = L.q + (t0 + i0 + r) * L.q_s0 + h * L.q_s1;
     for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = pdserve::to_float(row[d]);
-    m[r] = NEG, l[r] = _mm256_setzero_ps();
+    m[r] = start, l[r] = l0;
   }
   std::fill(o, o + n * dim, 0.f);
   const int64_t first = pos0 + i0, last = pos0 + i1 - 1;  // positions
@@ -929,7 +979,7 @@ void attend_rows(const Layout<T>& L, const std::vector<Seq>& seqs, const Row& ro
   };
 #ifdef PDSERVE_AMX_ATTENTION
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (amx_usable(L.dim)) {
+    if (amx_usable(L.dim) && L.cap_log2 == 0.f && L.sinks == nullptr) {  // extras: the vdpbf16ps kernel below
       attend<T>(
           L, seqs,
           [&](int64_t i, int64_t g, uint32_t* kp, uint32_t* vp) {
@@ -953,16 +1003,19 @@ void attend_rows(const Layout<T>& L, const std::vector<Seq>& seqs, const Row& ro
 }
 
 template <typename T>
-Layout<T> layout_of(at::Tensor& out, const at::Tensor& q, int64_t kv_heads, double scale, int64_t window) {
+Layout<T> layout_of(at::Tensor& out, const at::Tensor& q, int64_t kv_heads, double scale, int64_t window,
+                    const Extras& extras) {
+  const bool capped = extras.softcap > 0.;
   return Layout<T>{q.data_ptr<T>(), out.data_ptr<T>(), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                    q.size(1), kv_heads, q.size(2), static_cast<float>(scale * 1.4426950408889634),
-                   window > 0 ? window : 0};
+                   window > 0 ? window : 0, capped ? static_cast<float>(extras.softcap * 1.4426950408889634) : 0.f,
+                   capped ? static_cast<float>(scale / extras.softcap) : 0.f, extras.sinks};
 }
 
 template <typename T>
 void whole_prompts(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const std::vector<Seq>& seqs, double scale, int64_t window) {
-  const Layout<T> L = layout_of<T>(out, q, k.size(1), scale, window);
+                   const std::vector<Seq>& seqs, double scale, int64_t window, const Extras& extras) {
+  const Layout<T> L = layout_of<T>(out, q, k.size(1), scale, window, extras);
   const T *kd = k.data_ptr<T>(), *vd = v.data_ptr<T>();
   const int64_t k_s0 = k.stride(0), k_s1 = k.stride(1), v_s0 = v.stride(0), v_s1 = v.stride(1);
   attend_rows<T>(L, seqs, [&](int64_t i, int64_t g, int64_t kv, int64_t j) {
@@ -972,8 +1025,8 @@ void whole_prompts(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, co
 
 template <typename T>
 void from_cache(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, int64_t layer, const int64_t* table,
-                int64_t width, const std::vector<Seq>& seqs, double scale, int64_t window) {
-  const Layout<T> L = layout_of<T>(out, q, cache.size(2), scale, window);
+                int64_t width, const std::vector<Seq>& seqs, double scale, int64_t window, const Extras& extras) {
+  const Layout<T> L = layout_of<T>(out, q, cache.size(2), scale, window, extras);
   const T* base = cache.data_ptr<T>() + layer * cache.stride(0);
   const int64_t kv_s = cache.stride(1), head_s = cache.stride(2), block_s = cache.stride(3), slot_s = cache.stride(4);
   const int64_t block_size = cache.size(4);
@@ -996,6 +1049,17 @@ bool prefill_attention_amx(int64_t head_dim) {
 #endif
 }
 
+// softcap >= 0 (0: none); sinks, when given, a contiguous float [query heads] tensor (GPT-OSS's, converted once)
+Extras extras_of(const char* op, double softcap, const std::optional<at::Tensor>& sinks, int64_t q_heads) {
+  TORCH_CHECK(softcap >= 0, op, ": softcap must be positive (or 0: none), got ", softcap);
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                         sinks->size(0) == q_heads),
+              op, ": sinks must be a contiguous float [Hq] tensor (Hq = ", q_heads, "), got ",
+              sinks ? sinks->scalar_type() : at::kFloat, " ", sinks ? sinks->sizes() : at::IntArrayRef{},
+              sinks && !sinks->is_contiguous() ? " (not contiguous)" : "");
+  return Extras{softcap, sinks ? sinks->data_ptr<float>() : nullptr};
+}
+
 void check_dtype(c10::ScalarType dtype, const char* op) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, op, ": bfloat16 or float32 tensors, got ", dtype);
   TORCH_CHECK(prefill_attention_supported(dtype), op, " in ", dtype,
@@ -1006,7 +1070,8 @@ void check_dtype(c10::ScalarType dtype, const char* op) {
 // Whole prompts: prompt i's queries and keys are rows [bounds[i], bounds[i + 1]) of q and of k, v ([tokens, kv
 // heads, head_dim] views, unit stride in head_dim), its positions from 0.
 void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const at::Tensor& bounds, double scale, int64_t window) {
+                       const at::Tensor& bounds, double scale, int64_t window, double softcap,
+                       const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out: [tokens, heads, dim]");
   const auto dtype = q.scalar_type();
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &out})
@@ -1023,13 +1088,14 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const int64_t n = bounds.numel() - 1;
   TORCH_CHECK(b[0] >= 0 && b[n] <= tokens, "bounds outside the tokens");
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(b[i] <= b[i + 1], "bounds must not decrease");
+  const Extras extras = extras_of("prefill_attention", softcap, sinks, q.size(1));
   std::vector<Seq> seqs;
   for (int64_t i = 0; i < n; ++i) seqs.push_back({b[i], 0, b[i + 1] - b[i]});
 #if defined(PDSERVE_PREFILL_KERNEL)
-  if (dtype == at::kFloat) whole_prompts<float>(out, q, k, v, seqs, scale, window);
+  if (dtype == at::kFloat) whole_prompts<float>(out, q, k, v, seqs, scale, window, extras);
 #endif
 #if defined(__AVX512BF16__) || defined(PDSERVE_PREFILL_AVX2)
-  if (dtype == at::kBFloat16) whole_prompts<c10::BFloat16>(out, q, k, v, seqs, scale, window);
+  if (dtype == at::kBFloat16) whole_prompts<c10::BFloat16>(out, q, k, v, seqs, scale, window, extras);
 #endif
 }
 
@@ -1039,7 +1105,8 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 // block_table[b]. Cache layout (common/engine/kv_cache.py): [layers, 2 (K|V), kv_heads, num_blocks, block_size,
 // head_dim].
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, int64_t layer,
-                             const at::Tensor& block_table, const at::Tensor& spans, double scale, int64_t window) {
+                             const at::Tensor& block_table, const at::Tensor& spans, double scale, int64_t window,
+                             double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.sizes() == q.sizes(), "q, out: [tokens, heads, dim]");
   const auto dtype = q.scalar_type();
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &out, &cache})
@@ -1056,6 +1123,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
                   block_table.size(0) == spans.size(0),
               "block_table: contiguous [B, nb] int64");
+  const Extras extras = extras_of("paged_prefill_attention", softcap, sinks, q.size(1));
   const int64_t* sp = spans.data_ptr<int64_t>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t width = block_table.size(1);
@@ -1070,10 +1138,11 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
     seqs.push_back(sq);
   }
 #if defined(PDSERVE_PREFILL_KERNEL)
-  if (dtype == at::kFloat) from_cache<float>(out, q, cache, layer, table, width, seqs, scale, window);
+  if (dtype == at::kFloat) from_cache<float>(out, q, cache, layer, table, width, seqs, scale, window, extras);
 #endif
 #if defined(__AVX512BF16__) || defined(PDSERVE_PREFILL_AVX2)
-  if (dtype == at::kBFloat16) from_cache<c10::BFloat16>(out, q, cache, layer, table, width, seqs, scale, window);
+  if (dtype == at::kBFloat16)
+    from_cache<c10::BFloat16>(out, q, cache, layer, table, width, seqs, scale, window, extras);
 #endif
 }
 
@@ -1085,11 +1154,11 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("prefill_attention_amx(int head_dim) -> bool");
   m.impl("prefill_attention_amx", c10::DispatchKey::CatchAll, TORCH_FN(prefill_attention_amx));
   m.def(
-      "prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor bounds, float scale, int window) -> "
-      "()");
+      "prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor bounds, float scale, int window, "
+      "float softcap=0., Tensor? sinks=None) -> ()");
   m.impl("prefill_attention", c10::DispatchKey::CPU, TORCH_FN(prefill_attention));
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor cache, int layer, Tensor block_table, Tensor spans, "
-      "float scale, int window) -> ()");
+      "float scale, int window, float softcap=0., Tensor? sinks=None) -> ()");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, TORCH_FN(paged_prefill_attention));
 }

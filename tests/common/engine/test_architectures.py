@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+import common.engine.attention as attention
 from common.engine import cpu_kernels
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
@@ -77,8 +78,8 @@ SERVED = {
                                            original_max_position_embeddings=64))),  # fmt: skip
     "qwen2_yarn": ("Qwen2Config", "Qwen2ForCausalLM",
                    dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128))),
-    # logit extras, computed by common/engine/attention_math.py: a soft cap (q and k weights 8x: logits large
-    # enough for it to change the output), sink logits
+    # logit extras, computed by the CPU kernels and common/engine/attention_math.py: a soft cap (q and k weights 8x:
+    # logits large enough for it to change the output), sink logits
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                dict(head_dim=32, sliding_window=48, layer_types=TWO_TYPES, attn_logit_softcapping=2.0), 8.0),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
@@ -199,21 +200,35 @@ def test_what_the_engine_cannot_compute_is_refused_naming_why(name, checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
-def test_logit_extras_change_stock_output_and_the_engine_follows_them(name, checkpoint, hf_reference):
-    """Gemma 2's soft cap and GPT-OSS's sinks, on every attention path a model with them takes (the decode kernel;
-    without the kernels one stream's keys read in place and a padded decode group; whole prompts, chunks after
-    cached ones): the engine's tokens are stock's, and stock's own change without the extra (so a path that dropped
-    it would fail here)."""
+def test_logit_extras_change_stock_output_and_the_engine_follows_them(name, checkpoint, hf_reference, monkeypatch):
+    """Gemma 2's soft cap and GPT-OSS's sinks, on every attention path a model with them takes (with the kernels:
+    decode, whole prompts, chunks after cached ones, each prefill kind checked once against the plain ops; without
+    them one stream's keys read in place, a padded decode group, per-prompt and gathered plain ops): the engine's
+    tokens are stock's, and stock's own change without the extra (so a path that dropped it would fail here)."""
     d = checkpoint(name, SERVED)
     reference = hf_reference(d)
     batch = prompts()
     want = [hf_greedy(reference, p, GREEDY.max_new_tokens) for p in batch]
-    for kernels in (True, False):
-        engine = LLMEngine(load_model(d), EngineConfig(prefill_chunk_size=48, max_num_batched_tokens=128,
+    extra = "+softcap" if name == "gemma2" else "+sinks"
+    both = {f"causal{extra}", f"window{extra}"}  # within and past the window of 48, with the extra
+    for kernels, chunk in ((True, 48), (True, None), (False, 48)):
+        monkeypatch.setattr(attention, "_VARLEN", {})
+        engine = LLMEngine(load_model(d), EngineConfig(prefill_chunk_size=chunk, max_num_batched_tokens=128,
                                                        cpu_kernels=kernels))  # fmt: skip
-        assert engine.runner.decode_kernel == (kernels and cpu_kernels.load()) and not engine.runner.prefill_kernel
+        loaded = kernels and cpu_kernels.load()
+        prefill = loaded and torch.ops.pdserve.prefill_attention_supported(torch.float32)
+        assert engine.runner.decode_kernel == loaded and engine.runner.prefill_kernel == prefill
         alone = [engine.generate([p], [GREEDY])[0].token_ids for p in batch]
-        assert alone == want, f"kernels {kernels}"
+        assert alone == want, f"kernels {kernels}, chunks of {chunk}"
+        checked = {key: kernel.verified for key, kernel in attention._VARLEN.items() if kernel is not None}
+        if prefill and chunk:  # whole prompts in chunks of 48 stay within the window; the chunks after go past it
+            assert checked == {attention.cpu_kernel_key(torch.float32): {f"causal{extra}"},
+                               attention.cpu_kernel_key(torch.float32, paged=True): both}, checked
+        elif prefill:  # whole prompts of up to 150 tokens (and the one of 150 in two steps of 128 and 22)
+            assert checked == {attention.cpu_kernel_key(torch.float32): both,
+                               attention.cpu_kernel_key(torch.float32, paged=True): both}, checked
+        else:
+            assert not checked
     plain = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     for layer in plain.model.layers:
         if name == "gemma2":
@@ -281,12 +296,14 @@ def test_disaggregated_output_equals_stock_generate(name, checkpoint, hf_referen
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3", "gemma2", "gpt_oss", "gpt_bigcode", "gemma3n", "gemma", "gemma3",
                                   "qwen3_moe", "mixtral", "olmo2", "olmo3", "olmoe"])  # fmt: skip
-def test_bf16_decode_logits_within_bf16_rounding_of_stock(name, checkpoint):
+def test_bf16_decode_logits_within_bf16_rounding_of_stock(name, checkpoint, monkeypatch):
     """A decode step of two sequences in bf16: each row's logits as far from stock fp32's as stock bf16's are (2x:
     summation orders differ), on the fused modules (Qwen3), plain-op attention (Gemma 2, GPT-OSS), one KV head
     (GPT-BigCode), reused K/V (Gemma 3n), Gemma's norms and GeLU MLP in the engine's kernels (Gemma, Gemma 3) and
     packed experts (Qwen3-MoE, Mixtral), OLMo's float angles (OLMo 2, 3, OLMoE). Measured: 0.4-2.2% of the
-    largest logit apart from stock bf16's."""
+    largest logit apart from stock bf16's. The prefill kernels, where they serve, pass their first checks (with a
+    soft cap or sinks against the plain ops in float: in bf16 those round every logit first)."""
+    monkeypatch.setattr(attention, "_VARLEN", {})
     d = checkpoint(name, SERVED)
     engine = LLMEngine(load_model(d, dtype="bfloat16"), EngineConfig(prefill_chunk_size=48))
     stock = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
@@ -304,3 +321,4 @@ def test_bf16_decode_logits_within_bf16_rounding_of_stock(name, checkpoint):
             ids = torch.tensor([request.all_token_ids])
             truth, rounded = exact(ids).logits[0, -1], stock(ids).logits[0, -1].float()
             assert (row - truth).abs().max().item() <= 2 * (rounded - truth).abs().max().item() + 1e-3
+    assert not attention.cpu_prefill_dropped(), {k: v and v.failed for k, v in attention._VARLEN.items()}

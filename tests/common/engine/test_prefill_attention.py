@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import common.engine.attention as attention
 from common.engine import cpu_kernels
+from common.engine.attention_math import LogitExtras, attend
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.loader import load_model
@@ -148,6 +149,126 @@ def test_kernel_refuses_what_it_cannot_read():
         call(torch.empty(q40.shape, dtype=torch.bfloat16), q40, k40, v40, bounds, 0.1, 0)
 
 
+def attention_with_extras(q, k, v, mask, scale, softcap, sinks):
+    """One prompt's attention (q [H, Q, D], k and v [H, K, D], mask [Q, K] True where visible) with a soft cap (0:
+    none) and sink logits ([H] or None), as float64 [Q, H, D] and as the plain-op path the kernels replace computes
+    it in q's dtype (common/engine/attention_math.py: Gemma 2's and GPT-OSS's eager attention, op for op)."""
+    qd, kd, vd = q.double(), k.double(), v.double()
+    logits = qd @ kd.transpose(1, 2) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        column = sinks.double()[:, None, None].expand(logits.shape[0], logits.shape[1], 1)
+        exact = torch.softmax(torch.cat([logits, column], -1), -1)[..., :-1] @ vd
+    else:
+        exact = torch.softmax(logits, -1) @ vd
+    extras = LogitExtras(softcap or None, None if sinks is None else sinks.to(q.dtype))
+    eager = attend(q[None], k[None], v[None], extras, scale=scale, mask=mask)[0]
+    return exact.transpose(0, 1), eager.double().transpose(0, 1)
+
+
+def assert_as_close_as_plain_ops(got, want, eager, dtype):
+    """``got`` within 2e-5 of float64 ``want`` in fp32; in bf16 its largest error within 3x the output's own rounding
+    and its mean error no larger than the plain-op path's (``eager``): bf16 probabilities over a row flattened by a
+    cap or dimmed by a sink lose more against the smaller outputs' rounding than in plain attention (1.1-1.6x
+    measured here) and the plain ops lose more still (1.7-10.9x)."""
+    if dtype == torch.float32:
+        assert_close(got, want, dtype)
+        return
+    err, floor = (got.double() - want).abs(), (want.to(torch.bfloat16).double() - want).abs()
+    assert not got.isnan().any()
+    assert err.max() <= max(3 * floor.max(), 1e-2), (err.max(), floor.max())
+    assert err.mean() <= (eager - want).abs().mean(), (err.mean(), (eager - want).abs().mean(), floor.mean())
+
+
+def reference_with_extras(q, k, v, bounds, scale, window, softcap, sinks):
+    """Per prompt: float64, and the plain ops in q's dtype (:func:`attention_with_extras`)."""
+    exact, eager = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        if a == b:
+            continue
+        qq, kk, vv = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        pos = torch.arange(b - a)
+        mask = pos[None, :] <= pos[:, None]
+        if window:
+            mask &= pos[None, :] > pos[:, None] - window
+        exact[a:b], eager[a:b] = attention_with_extras(qq, kk.repeat_interleave(group, 0),
+                                                       vv.repeat_interleave(group, 0), mask, scale, softcap, sinks)
+    return exact, eager
+
+
+def extras_of(kind, heads, seed):
+    """(soft cap, sinks) for ``kind``: a cap of 2 over scores of spread 3 (most are bent); sink logits 4 +- 2, as
+    large as a long row's top scores (smaller ones change too little of a row of hundreds of keys to be seen)."""
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2.0 + 4.0
+    return {"softcap": (2.0, None), "sinks": (0.0, sinks), "both": (2.0, sinks)}[kind]
+
+
+@pytest.mark.parametrize("lens,heads,kv_heads,dim,window", [
+    ([1, 9], 2, 1, 64, 0),
+    ([5, 70, 129], 4, 2, 64, 0),
+    ([300, 64], 6, 2, 96, 0),
+    ([257, 3], 4, 2, 64, 50),
+    ([64, 128, 0, 65], 8, 2, 128, 64),
+])  # fmt: skip
+@pytest.mark.parametrize("kind", ["softcap", "sinks", "both"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_with_a_soft_cap_or_sinks_is_within_rounding_of_float64(lens, heads, kv_heads, dim, window, kind,
+                                                                       dtype):  # fmt: skip
+    """Gemma 2's soft cap and GPT-OSS's sink logits (on CPUs with AMX: the vdpbf16ps kernel takes such layers). The
+    result without them is far outside the tolerance: the kernel applies them."""
+    needs(dtype)
+    q, k, v, bounds = packed_case(lens, heads, kv_heads, dim, seed=len(lens) + dim, spread=3.0, dtype=dtype)
+    softcap, sinks = extras_of(kind, heads, seed=dim)
+    scale = dim**-0.5
+    got = torch.full(q.shape, float("nan"), dtype=dtype)
+    torch.ops.pdserve.prefill_attention(got, q, k, v, bounds, scale, window, softcap, sinks)
+    want, eager = reference_with_extras(q, k, v, bounds, scale, window, softcap, sinks)
+    assert_as_close_as_plain_ops(got, want, eager, dtype)
+    plain, _ = reference_with_extras(q, k, v, bounds, scale, window, 0.0, None)
+    floor = (want.to(torch.bfloat16).double() - want).abs().mean()
+    assert (plain - want).abs().mean() > 10 * floor
+
+
+def test_a_bf16_soft_cap_near_its_logits_is_checked_against_float(monkeypatch):
+    """The first call of a kind is checked against the plain ops, in float where the model is bf16: Gemma 2's
+    eager attention in bf16 rounds every logit before its cap of 50 (steps of 0.125-0.25 up there), and a kernel
+    computing them in float differed from it by more than bf16 rounding, so it was dropped (prompts then ran on
+    the plain ops, 7x slower at 2,048 tokens). Here logits reach ~40 and the kernel stays, within rounding."""
+    needs(torch.bfloat16)
+    monkeypatch.setattr(attention, "_VARLEN", {})
+    q, k, v, bounds = packed_case([300], 4, 2, 64, seed=5, spread=20.0)
+    extras = LogitExtras(softcap=50.0)
+    logits = (q.double()[:, ::2] * k.double()).sum(-1) / 8
+    assert logits.abs().max() > 30  # near the cap
+    group = attention.AttentionGroup(gather_index=None, query_pos=torch.arange(300)[None], fresh_prompt=True,
+                                     fresh_bounds=bounds, num_keys=300, cpu_prefill_kernel=True)  # fmt: skip
+    out = torch.zeros(q.shape, dtype=torch.bfloat16)
+    as_model = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, H, T, D] as the model hands them
+    attention._fresh_attention(group, *as_model, out, 0.125, None, extras)
+    kernel = attention._VARLEN[attention.cpu_kernel_key(torch.bfloat16)]
+    assert kernel is not None and kernel.verified == {"causal+softcap"}
+    want, eager = reference_with_extras(q, k, v, bounds, 0.125, 0, 50.0, None)
+    assert_as_close_as_plain_ops(out, want, eager, torch.bfloat16)
+    assert (eager - want).abs().max() > 1e-2 * want.abs().max()  # what a check against the bf16 plain ops saw
+
+
+def test_kernel_refuses_extras_it_cannot_read():
+    needs(torch.float32)
+    q, k, v, bounds = packed_case([10, 20], 4, 2, 64, dtype=torch.float32)
+    out = torch.empty(q.shape)
+    call = torch.ops.pdserve.prefill_attention
+    with pytest.raises(RuntimeError, match="softcap must be positive"):
+        call(out, q, k, v, bounds, 0.1, 0, -1.0, None)
+    for sinks, what in ((torch.zeros(3), r"\[3\]"), (torch.zeros(4, dtype=torch.bfloat16), "BFloat16"),
+                        (torch.zeros(8)[::2], "not contiguous")):  # fmt: skip
+        refusal = r"sinks must be a contiguous float \[Hq\] tensor \(Hq = 4\), got .*" + what
+        with pytest.raises(RuntimeError, match=refusal):
+            call(out, q, k, v, bounds, 0.1, 0, 0.0, sinks)
+
+
 @pytest.fixture
 def counted_kernel(monkeypatch):
     """The CPU kernel as the engine's attention gets it, counting its calls (and its checks' outcomes)."""
@@ -209,6 +330,9 @@ def test_prefill_attention_chooses(tiny_model_dir, counted_kernel):
     assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 160) is not amx
     assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 128)
     assert attention.cpu_prefill_kernel_chosen("kernel", torch.bfloat16, 160)
+    # a soft cap or sinks: SDPA computes neither, so auto takes the kernel on AMX CPUs too (its vdpbf16ps path)
+    assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 160, extras=True)
+    assert not attention.cpu_prefill_kernel_chosen("sdpa", torch.bfloat16, 64, extras=True)
     head_dim = LLMEngine(load_model(d, dtype="float32")).kv_spec.head_dim
     for choice, dtype, want in (("kernel", "bfloat16", True), ("auto", "bfloat16", not amx or head_dim % 32 == 0),
                                 ("sdpa", "bfloat16", False), ("kernel", "float32", True), ("auto", "float32", True),
@@ -284,6 +408,35 @@ def test_paged_kernel_reads_the_cache_within_rounding(seqs, heads, kv_heads, dim
     other = torch.empty_like(got)  # another layer's keys give other outputs: the layer is read, not assumed
     torch.ops.pdserve.paged_prefill_attention(other, q, cache.data, 0, table, spans, scale, window)
     assert (other.double() - want).abs().mean() > 0.05
+
+
+@pytest.mark.parametrize("seqs,heads,kv_heads,dim,window", [
+    ([(64, 64), (100, 7), (3, 130)], 4, 2, 64, 0),
+    ([(200, 80), (31, 50)], 6, 2, 96, 45),
+])  # fmt: skip
+@pytest.mark.parametrize("kind", ["softcap", "both"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_kernel_with_a_soft_cap_or_sinks_is_within_rounding(seqs, heads, kv_heads, dim, window, kind, dtype):
+    needs(dtype)
+    q, cache, table, spans = paged_case(seqs, heads, kv_heads, dim, seed=dim + len(seqs), spread=3.0, dtype=dtype)
+    softcap, sinks = extras_of(kind, heads, seed=dim + 1)
+    scale = dim**-0.5
+    got = torch.zeros(q.shape, dtype=dtype)
+    torch.ops.pdserve.paged_prefill_attention(got, q, cache.data, 1, table, spans, scale, window, softcap, sinks)
+    want, eager = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape, dtype=torch.float64)
+    kv = cache.data[1]
+    bs, group = cache.spec.block_size, heads // kv_heads
+    for b, (row, start, n) in enumerate(spans.tolist()):
+        keys = torch.arange(start + n)
+        blocks = table[b, keys // bs]
+        k = kv[0][:, blocks, keys % bs].repeat_interleave(group, 0)
+        v = kv[1][:, blocks, keys % bs].repeat_interleave(group, 0)
+        pos = torch.arange(start, start + n)[:, None]
+        mask = (keys[None, :] <= pos) & ((keys[None, :] > pos - window) if window else True)
+        want[row : row + n], eager[row : row + n] = attention_with_extras(q[row : row + n].transpose(0, 1), k, v,
+                                                                          mask, scale, softcap, sinks)
+    assert_as_close_as_plain_ops(got, want, eager, dtype)
+    assert (paged_reference(q, cache, 1, table, spans, scale, window) - want).abs().mean() > 0.01
 
 
 def test_paged_kernel_refuses_what_would_read_out_of_bounds():
