@@ -1,5 +1,5 @@
-"""A Llama, Qwen2, Qwen3 or Mistral model (or a Qwen2/3-MoE, Mixtral, OLMoE, Gemma, Gemma 2, Gemma 3, GPT-OSS,
-OLMo 2 or OLMo 3 one) run by the engine as one loop over its layers, without the module tree.
+"""A Llama, Qwen2, Qwen3, Mistral, Phi-3 or Granite model (or a Qwen2/3-MoE, Mixtral, OLMoE, Gemma, Gemma 2, Gemma 3,
+GPT-OSS, OLMo 2 or OLMo 3 one) run by the engine as one loop over its layers, without the module tree.
 
 Once :mod:`common.engine.cpu_linear` and :mod:`common.engine.fused_attention` have swapped in the engine's
 fused modules, a decoder layer is six operator calls (the q/k/v product, the rotary kernel, the paged attention,
@@ -13,7 +13,8 @@ model's own; the model runner checks that once on the first step that samples
 (:meth:`common.engine.model_runner.ModelRunner.run`) and keeps the model's forward if not.
 
 :meth:`FlatForward.of` accepts only the module layout it repeats: a ``LlamaForCausalLM`` (Qwen2, Qwen3, Mistral,
-and the MoE families above) whose every decoder layer holds :class:`~common.engine.cpu_linear.FusedRMSNorm` norms,
+Phi-3 with its residual dropouts idle, Granite with its embedding, residual and logit multipliers, and the MoE
+families above) whose every decoder layer holds :class:`~common.engine.cpu_linear.FusedRMSNorm` norms,
 a :class:`~common.engine.fused_attention.RopeAttention` and a :class:`~common.engine.cpu_linear.FusedGatedMLP` (or
 a MoE block over :class:`~common.engine.moe.PackedExperts`),
 the engine's paged attention registered, no hooks, and no process group (tensor parallelism runs the model's
@@ -42,6 +43,12 @@ _LAYOUTS = {
     "Qwen2ForCausalLM": ("Qwen2Model", "Qwen2DecoderLayer"),
     "Qwen3ForCausalLM": ("Qwen3Model", "Qwen3DecoderLayer"),
     "MistralForCausalLM": ("MistralModel", "MistralDecoderLayer"),
+    # Phi-3: Llama's layer with a dropout on each sublayer's output (idle in eval); its q|k|v and gate|up layers
+    # are one layer each in the checkpoint
+    "Phi3ForCausalLM": ("Phi3Model", "Phi3DecoderLayer"),
+    # Granite: Llama's layer, each sublayer's output times residual_multiplier before its residual addition, the
+    # embeddings times embedding_multiplier, the logits divided by logits_scaling
+    "GraniteForCausalLM": ("GraniteModel", "GraniteDecoderLayer"),
     # MoE: the same layer, its MLP a sparse block over the engine's packed experts (common/engine/moe.py) where it
     # is not a dense one
     "Qwen3MoeForCausalLM": ("Qwen3MoeModel", "Qwen3MoeDecoderLayer"),
@@ -92,6 +99,10 @@ class FlatForward:
         self.layer_types = list(inner.config.layer_types) if type(model).__name__ in _ROTATION_BY_TYPE else None
         self.softcap = getattr(model.config, "final_logit_softcapping", None) if self.own_loop else None
         self.mlp_tuple = type(model).__name__ == "GptOssForCausalLM"  # GptOssMLP: (output, router scores)
+        granite = type(model).__name__ == "GraniteForCausalLM"
+        self.embedding_multiplier = inner.embedding_multiplier if granite else None
+        self.residual_multipliers = [layer.residual_multiplier for layer in layers] if granite else None
+        self.logits_scaling = model.config.logits_scaling if granite else None
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> FlatForward | None:
@@ -124,6 +135,9 @@ class FlatForward:
             if not (all(type(n) is norm for n in norms) and type(layer.self_attn) is RopeAttention
                     and (_own_loop_mlp(layer.mlp) if own_loop else _fused_mlp(layer.mlp))):  # fmt: skip
                 return None
+            dropouts = [getattr(layer, n, None) for n in ("resid_attn_dropout", "resid_mlp_dropout")]  # Phi-3's
+            if any(d is not None and (type(d) is not torch.nn.Dropout or d.training and d.p > 0) for d in dropouts):
+                return None
         return cls(model)
 
     @torch.inference_mode()
@@ -133,23 +147,31 @@ class FlatForward:
         if self.own_loop:
             return self._own_loop(input_ids, position_ids, attn, logits_index)
         x = self.embed.forward(input_ids)  # a fresh tensor: the layers add into it in place (add_forward)
+        if self.embedding_multiplier is not None:  # Granite (a fresh tensor too)
+            x = x * self.embedding_multiplier
         position_embeddings = self.rotary.forward(x, position_ids)
         meta = {METADATA_KWARG: attn}
         shape = x.shape[:-1]
-        layers = self.layers
+        layers, scales = self.layers, self.residual_multipliers
         h = layers[0][0].forward(x)
         for i, (_, attention, post_norm, mlp) in enumerate(layers):
             q, k, v = attention.project(h, position_embeddings)
             inner = attention.inner
             out, _ = paged_attention(inner, q, k, v, None, dropout=0.0, scaling=inner.scaling, **attention.extra,
                                      **meta)  # fmt: skip
+            out = inner.o_proj.forward(out.reshape(*shape, -1).contiguous())
+            if scales is not None:  # Granite: the sublayer's output scaled, rounded, then added
+                out = out * scales[i]
             # each residual addition and the norm after it as one call (FusedRMSNorm.add_forward)
-            x, h = post_norm.add_forward(x, inner.o_proj.forward(out.reshape(*shape, -1).contiguous()))
+            x, h = post_norm.add_forward(x, out)
             m = mlp.forward(h)
+            if scales is not None:
+                m = m * scales[i]
             if i + 1 < len(layers):
                 x, h = layers[i + 1][0].add_forward(x, m)
         # after the last layer only the kept rows are needed: added and normed alone (norms work per row)
-        return self.lm_head.forward(self.norm.forward(x[:, logits_index, :] + m[:, logits_index, :]))
+        logits = self.lm_head.forward(self.norm.forward(x[:, logits_index, :] + m[:, logits_index, :]))
+        return logits if self.logits_scaling is None else logits / self.logits_scaling  # Granite's
 
     def _own_loop(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttentionMetadata,
                logits_index: torch.Tensor) -> torch.Tensor:  # fmt: skip

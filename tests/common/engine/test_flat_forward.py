@@ -1,5 +1,5 @@
-"""The flat forward (one loop over the fused layers of a Llama/Qwen2/Qwen3/Mistral, Qwen2/3-MoE/Mixtral or
-Gemma/Gemma 2/3 model, :mod:`common.engine.flat_forward`): taken where the model has that layout, its logits the
+"""The flat forward (one loop over the fused layers of a Llama/Qwen2/Qwen3/Mistral/Phi-3/Granite, Qwen2/3-MoE/Mixtral
+or Gemma/Gemma 2/3 model, :mod:`common.engine.flat_forward`): taken where the model has that layout, its logits the
 model's own bit for bit on mixed prefill/decode steps, stock ``generate``'s tokens; the model's own forward kept
 when the one check fails; a layer-streaming prefill streams each layer once; refused for hooked models and
 without the kernels."""
@@ -35,6 +35,12 @@ OWN_LOOP_FAMILIES = {
     # the same loop: a norm after the attention and the MLP, none before; q/k norms over all the heads
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", _WINDOWED),
+    # the Llama loop: Phi-3 (one q|k|v and one gate|up layer, dropouts after the sublayers, idle), Granite (Granite
+    # 3.0's multipliers: embeddings x12, each sublayer's output x0.22 before its addition, logits / 8)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                     logits_scaling=8.0)),
 }
 
 
@@ -84,15 +90,16 @@ def test_taken_where_the_layout_fits(model_dir, tiny_model_dir):
                                             ("qwen3", {}), ("qwen3", {"sliding_window": 24}),
                                             ("mistral", {"sliding_window": 24}), ("qwen3_moe", {}), ("mixtral", {}),
                                             ("qwen2_moe", {}), ("gemma", {}), ("gemma2", {}), ("gemma3", {}),
-                                            ("gpt_oss", {}), ("olmo2", {}), ("olmo3", {}), ("olmoe", {})],
+                                            ("gpt_oss", {}), ("olmo2", {}), ("olmo3", {}), ("olmoe", {}),
+                                            ("phi3", {}), ("granite", {})],
                          ids=["llama", "qwen2", "qwen2-window", "qwen3", "qwen3-window", "mistral-window", "qwen3_moe",
                               "mixtral", "qwen2_moe", "gemma", "gemma2", "gemma3", "gpt_oss", "olmo2", "olmo3",
-                              "olmoe"])  # fmt: skip
+                              "olmoe", "phi3", "granite"])  # fmt: skip
 def test_logits_equal_the_models_own_on_every_step(arch, overrides, model_dir, hf_reference):
     """Prompts arriving while others decode (steps of decode + prefill), every step's logits both ways (the
     runner's one check made to run on every step). MoE models: packed experts in the layers' sparse blocks. Gemma
     2 and 3: sandwich norms, a window on one layer of two, soft caps (Gemma 2), rotations by layer type (Gemma
-    3)."""
+    3). Phi-3 and Granite: the Llama loop, Granite's multipliers applied where its forward applies them."""
     d = model_dir(arch, **overrides)
     engine = engine_for(d, max_num_batched_tokens=64)
     runner = engine.runner
