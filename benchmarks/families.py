@@ -69,6 +69,11 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    # GLM-4.5's layout: a dense first layer, then 3 routed experts of 352 of 32 beside one shared expert of 352 (the
+    # Llama's active width), sigmoid routing with a correction bias, half of each head rotated
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(n_routed_experts=32, num_experts_per_tok=3, moe_intermediate_size=352, n_shared_experts=1,
+                      first_k_dense_replace=1, n_group=1, topk_group=1)),  # fmt: skip
 }
 FUSED = ("RopeAttention", "FusedGatedMLP", "FusedRMSNorm", "FusedScaledRMSNorm", "PackedExperts", "PackedRouter")
 

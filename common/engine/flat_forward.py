@@ -55,10 +55,12 @@ _LAYOUTS = {
     "Qwen2MoeForCausalLM": ("Qwen2MoeModel", "Qwen2MoeDecoderLayer"),
     "MixtralForCausalLM": ("MixtralModel", "MixtralDecoderLayer"),
     "OlmoeForCausalLM": ("OlmoeModel", "OlmoeDecoderLayer"),
+    # GLM-4-MoE: a dense gated MLP in its first layers, then a block of routed experts and shared ones
+    "Glm4MoeForCausalLM": ("Glm4MoeModel", "Glm4MoeDecoderLayer"),
 }
 # the MoE blocks of those families: routing, the experts and (Qwen2-MoE) the shared expert, one tensor out
 _MOE_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock",
-                         "OlmoeSparseMoeBlock"})
+                         "OlmoeSparseMoeBlock", "Glm4MoeMoE"})
 # Gemma's: scaled embeddings, Gemma-style norms (FusedScaledRMSNorm), a GeLU gated MLP; Gemma 2 and 3 also norm
 # each sublayer's output before its residual addition ("sandwich" norms) and may cap the logits softly; Gemma 3
 # rotates by its layer type's rotary embedding. GPT-OSS takes the same loop: Llama's layer over norms of one rounding
@@ -221,6 +223,6 @@ def _fused_mlp(mlp: torch.nn.Module) -> bool:
     if any, is a FusedGatedMLP)."""
     if type(mlp) is FusedGatedMLP:
         return True
-    shared = getattr(mlp, "shared_expert", None)
+    shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)  # GLM-4-MoE's: plural
     return (type(mlp).__name__ in _MOE_BLOCKS and type(getattr(mlp, "experts", None)) is PackedExperts
             and (shared is None or type(shared) is FusedGatedMLP))  # fmt: skip

@@ -53,12 +53,15 @@ _ROPE_ATTENTIONS = {
     "Olmo3Attention": lambda module: {"sliding_window": module.sliding_window},
     # OLMoE: OLMo 2's, its q, k and v clipped where the config says (then not fused)
     "OlmoeAttention": lambda module: {"sliding_window": getattr(module.config, "sliding_window", None)},
+    # GLM-4-MoE (GLM-4.5): Qwen3's per-head q/k norms where use_qk_norm, a partial rotary (the first half of each
+    # head rotated: rotary_'s rotary_dim)
+    "Glm4MoeAttention": lambda module: {},
 }
 # the references whose q/k norms take all the heads' columns at once, not each head's
 _WHOLE_WIDTH_NORMS = ("Olmo2Attention", "Olmo3Attention", "OlmoeAttention")
 _REFERENCES = ("llama.LlamaAttention", "qwen2.Qwen2Attention", "qwen3.Qwen3Attention", "mistral.MistralAttention",
                "phi3.Phi3Attention", "gemma2.Gemma2Attention", "gemma3.Gemma3Attention", "gpt_oss.GptOssAttention",
-               "olmo2.Olmo2Attention", "olmo3.Olmo3Attention", "olmoe.OlmoeAttention")
+               "olmo2.Olmo2Attention", "olmo3.Olmo3Attention", "olmoe.OlmoeAttention", "glm4_moe.Glm4MoeAttention")
 
 
 class RopeAttention(torch.nn.Module):
@@ -67,8 +70,9 @@ class RopeAttention(torch.nn.Module):
     q|k|v (a FusedLinear's, or Phi-3's own ``qkv_proj``)."""
 
     def __init__(self, attention: torch.nn.Module, qkv: PackedLinear, num_q_heads: int, num_kv_heads: int,
-                 head_dim: int) -> None:  # fmt: skip
+                 head_dim: int, rotary_dim: int = 0) -> None:  # fmt: skip
         super().__init__()
+        self.rotary_dim = rotary_dim  # > 0: only each head's first rotary_dim features rotate (GLM-4-MoE's)
         self.inner = attention
         self._qkv = (qkv,)  # not a submodule: the attention module it replaces registers the layer already
         self.layer_idx = attention.layer_idx
@@ -105,7 +109,7 @@ class RopeAttention(torch.nn.Module):
             cols = qkv[..., start : start + heads * d]
             cols.copy_(norm(cols) if self.whole_width else norm(cols.view(*shape, heads, d)).view(*shape, heads * d))
         cos, sin = position_embeddings
-        torch.ops.pdserve.rotary_(qkv, cos, sin, *self.heads)
+        torch.ops.pdserve.rotary_(qkv, cos, sin, *self.heads, self.rotary_dim)
         return [part.view(*shape, -1, d).transpose(1, 2) for part in qkv.split(self.splits, dim=-1)]
 
 
@@ -124,15 +128,16 @@ def fuse_rope_attention(model: torch.nn.Module) -> int:
                 continue
             product, heads = fitting
             dtype = product.dtype
-            angles = _angle_dtype(model, dtype)
-            key = f"{type(child).__module__}:{dtype}:{angles}:{heads}"
+            angles, width = _angles(model, dtype)
+            key = f"{type(child).__module__}:{dtype}:{angles}:{width}:{heads}"
             if key not in checked:
-                checked[key] = _kernel_matches(sys.modules[type(child).__module__], dtype, *heads, angles=angles)
-                if not checked[key]:
+                checked[key] = _rotation(sys.modules[type(child).__module__], dtype, *heads, angles=angles,
+                                         width=width)  # fmt: skip
+                if checked[key] is None:
                     log.warning("keeping %s: the rotary kernel differs from its apply_rotary_pos_emb",
                                 type(child).__name__)
-            if checked[key]:
-                setattr(parent, name, RopeAttention(child, product, *heads))
+            if checked[key] is not None:
+                setattr(parent, name, RopeAttention(child, product, *heads, rotary_dim=checked[key]))
                 done += 1
     return done
 
@@ -189,28 +194,38 @@ def _head_norm(norm: torch.nn.Module | None, width: int) -> bool:
     return isinstance(weight, torch.Tensor) and weight.shape == (width,)
 
 
-def _angle_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the cos and sin ``model``'s rotary embedding hands its layers for hidden states of ``dtype``:
-    that dtype (most families), or float32 (OLMo 2's and 3's, whose rotation computes in float)."""
+def _angles(model: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.dtype, int | None]:
+    """The dtype and width of the cos and sin ``model``'s rotary embedding hands its layers for hidden states of
+    ``dtype``: that dtype (most families), or float32 (OLMo 2's and 3's, whose rotation computes in float); a head's
+    width (Llama's), half of it (GPT-OSS's angles once, GLM-4-MoE's partial rotary), or None where not found."""
     rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
     if rotary is None:
-        return dtype
+        return dtype, None
     try:
         with torch.inference_mode():
             cos = rotary(torch.zeros(1, 1, 1, dtype=dtype), torch.zeros(1, 1, dtype=torch.long))[0]
     except (TypeError, RuntimeError, ValueError):  # another signature: the model's dtype, which the check then tests
-        return dtype
-    return cos.dtype
+        return dtype, None
+    return cos.dtype, int(cos.shape[-1])
 
 
 def _kernel_matches(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
                     angles: torch.dtype | None = None) -> bool:  # fmt: skip
-    """Whether the kernel rotates a random q/k exactly as ``modeling.apply_rotary_pos_emb`` does (v untouched), with
-    the angles as that function takes them: each twice (cos and sin of a whole head, Llama's) or once (of half a
-    head, GPT-OSS's; the other width fails in the model's own function), in ``angles`` (default: ``dtype``)."""
+    """Whether the kernel rotates as ``modeling.apply_rotary_pos_emb`` does in some form (:func:`_rotation`)."""
+    return _rotation(modeling, dtype, num_q_heads, num_kv_heads, head_dim, angles) is not None
+
+
+def _rotation(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
+              angles: torch.dtype | None = None, width: int | None = None) -> int | None:  # fmt: skip
+    """The ``rotary_dim`` with which the kernel rotates a random q/k exactly as ``modeling.apply_rotary_pos_emb``
+    does (v untouched), or None where no form does. The forms, for the cos and sin ``width`` the model's rotary
+    embedding gives (None: unknown, every form tried): each angle twice over a whole head (Llama's; 0), each once
+    over a whole head (GPT-OSS's, half a head wide; 0), each twice over the head's first ``width`` features
+    (GLM-4-MoE's partial rotary; ``width``). The model's own function fails on a width it does not take. Angles in
+    ``angles`` (default: ``dtype``)."""
     apply = getattr(modeling, "apply_rotary_pos_emb", None)
     if apply is None:
-        return False
+        return None
     g = torch.Generator().manual_seed(0)
     tokens, splits = 5, [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     qkv = torch.randn(1, tokens, sum(splits), generator=g).to(dtype)
@@ -220,7 +235,12 @@ def _kernel_matches(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads
         return [p.view(1, tokens, -1, head_dim).transpose(1, 2) for p in t.split(splits, dim=-1)]
 
     q, k, v = heads(qkv)
-    for turns in (torch.cat((half, half), dim=-1), half):
+    forms = [(torch.cat((half, half), dim=-1), 0), (half, 0)]
+    if width is not None and 0 < width < head_dim and width % 2 == 0:
+        forms.append((torch.cat((half[..., : width // 2], half[..., : width // 2]), dim=-1), width))
+    for turns, rotary_dim in forms:
+        if width is not None and turns.shape[-1] != width:
+            continue
         cos, sin = turns.cos().to(angles or dtype), turns.sin().to(angles or dtype)
         with torch.inference_mode():
             try:
@@ -228,7 +248,8 @@ def _kernel_matches(modeling, dtype: torch.dtype, num_q_heads: int, num_kv_heads
             except RuntimeError:  # not this width
                 continue
             got = qkv.clone()
-            torch.ops.pdserve.rotary_(got, cos, sin, num_q_heads, num_kv_heads, head_dim)
+            torch.ops.pdserve.rotary_(got, cos, sin, num_q_heads, num_kv_heads, head_dim, rotary_dim)
         got_q, got_k, got_v = heads(got)
-        return torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, v)
-    return False
+        if torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, v):
+            return rotary_dim
+    return None

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 _LAYOUTS = ("fp32_blocks", "bf16_pairs", "bf16_amx")
 # top-k routers whose forward PackedRouter repeats (and their copies, module_match.py: Qwen2-MoE's, OLMoE's, ...)
-_ROUTERS = ("qwen3_moe.Qwen3MoeTopKRouter", "mixtral.MixtralTopKRouter", "gpt_oss.GptOssTopKRouter")
+_ROUTERS = ("qwen3_moe.Qwen3MoeTopKRouter", "mixtral.MixtralTopKRouter", "gpt_oss.GptOssTopKRouter",
+            "glm4_moe.Glm4MoeTopkRouter")
 _PACK = {"fp32_blocks": "pack_fp32_blocks", "bf16_pairs": "pack_bf16_pairs", "bf16_amx": "pack_bf16_pairs"}
 
 
@@ -194,11 +195,20 @@ class PackedRouter(torch.nn.Module):
         self.linear = PackedLinear(linear, kernel=True, prefill=prefill)
         self.mixtral = kind == "MixtralTopKRouter"  # a softmax of the logits in fp32, fp32 weights out
         self.gpt_oss = kind == "GptOssTopKRouter"  # the logits with a bias, a softmax of the top k in their dtype
+        # GLM-4-MoE (DeepSeek-V3's routing): float logits (the weight float, the tokens made float), sigmoid scores,
+        # the top k chosen by score plus a correction bias within the best groups, their scores normalized, scaled
+        self.glm = kind == "Glm4MoeTopkRouter"
+        if self.glm:
+            self.register_buffer("correction_bias", router.e_score_correction_bias.detach().float().clone())
+            self.num_group, self.topk_group = int(router.num_group), int(router.topk_group)
+            self.routed_scaling_factor = router.routed_scaling_factor
         self.top_k, self.hidden_dim = int(router.top_k), int(router.hidden_dim)
         self.norm_topk_prob = bool(getattr(router, "norm_topk_prob", True))
 
     def forward(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        if self.glm:
+            return self._glm(hidden_states)
         logits = self.linear(hidden_states)
         if self.gpt_oss:
             top, index = torch.topk(logits, self.top_k, dim=-1)
@@ -211,6 +221,26 @@ class PackedRouter(torch.nn.Module):
         if self.norm_topk_prob:
             top /= top.sum(dim=-1, keepdim=True)
         return logits, top.to(logits.dtype), index
+
+    def _glm(self, hidden_states: torch.Tensor):
+        """Glm4MoeTopkRouter's forward over the packed float weight; with one group (GLM-4.5's) its group mask keeps
+        every expert, so it is not built."""
+        logits = self.linear(hidden_states.float())
+        scores = logits.sigmoid()
+        choice = scores + self.correction_bias
+        if self.num_group > 1:
+            experts = choice.shape[-1]
+            group_scores = choice.view(-1, self.num_group, experts // self.num_group).topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores)
+            group_mask.scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, experts // self.num_group)
+            choice = choice.masked_fill(~score_mask.reshape(-1, experts).bool(), float("-inf"))
+        index = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, index)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return logits, weights * self.routed_scaling_factor, index
 
 
 def fuse_experts(model: torch.nn.Module, prefill: bool = False) -> int:

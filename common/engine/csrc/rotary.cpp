@@ -78,12 +78,12 @@ inline void rotate_head(T* x, const float* c, const float* s, int64_t half, int6
 
 template <typename T, typename C>
 void rotary_rows(T* qkv, const C* cos, const C* sin, int64_t rows, int64_t row_stride, int64_t cs_stride,
-                 int64_t heads, int64_t head_dim, int64_t second) {
+                 int64_t heads, int64_t head_dim, int64_t rot, int64_t second) {
   // about 32K elements a chunk, and a batch of rows at least in halves (16 decode rows of 24 heads of 64: 1.6x)
   const int64_t chunk =
       std::max<int64_t>(1, std::min<int64_t>((rows + 1) / 2, (int64_t{1} << 15) / std::max<int64_t>(1, heads * head_dim)));
   // each row's angles widened to float once, for all its heads (they were widened again for every head)
-  const int64_t width = second + head_dim / 2;
+  const int64_t width = second + rot / 2;
   pdserve::parallel_claim(rows, chunk, [&](int64_t r0, int64_t r1) {
     std::vector<float> angles(2 * width);
     for (int64_t r = r0; r < r1; ++r) {
@@ -92,7 +92,7 @@ void rotary_rows(T* qkv, const C* cos, const C* sin, int64_t rows, int64_t row_s
       const C* s = sin + r * cs_stride;
       for (int64_t i = 0; i < width; ++i) angles[i] = to_float(c[i]), angles[width + i] = to_float(s[i]);
       for (int64_t h = 0; h < heads; ++h)
-        rotate_head<T, C>(x + h * head_dim, angles.data(), angles.data() + width, head_dim / 2, second);
+        rotate_head<T, C>(x + h * head_dim, angles.data(), angles.data() + width, rot / 2, second);
     }
   });
 }
@@ -100,8 +100,10 @@ void rotary_rows(T* qkv, const C* cos, const C* sin, int64_t rows, int64_t row_s
 // qkv [..., T, (Hq + 2 Hkv) D]: the first Hq + Hkv heads of each row (queries, then keys) rotated in place; values
 // untouched. cos, sin [..., T, D] (one row a token, as transformers' rotary embedding gives them; [..., T, D / 2]:
 // each angle once, GPT-OSS's, both halves rotated by it), qkv's dtype (or float for bf16 qkv: OLMo 2's and 3's).
+// rotary_dim > 0: only each head's first rotary_dim features rotated (GLM-4-MoE's partial rotary, half the head),
+// half-split within them, by cos and sin [..., T, rotary_dim]; the rest of the head untouched.
 void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
-             int64_t head_dim) {
+             int64_t head_dim, int64_t rotary_dim) {
   TORCH_CHECK(qkv.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
               "pdserve::rotary_ takes CPU tensors");
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && num_q_heads > 0 && num_kv_heads > 0,
@@ -112,14 +114,25 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
   TORCH_CHECK((qkv.scalar_type() == cos.scalar_type() || float_angles) && cos.scalar_type() == sin.scalar_type(),
               "pdserve::rotary_: cos and sin must be qkv's dtype (or float for bf16 qkv), got qkv ", qkv.scalar_type(),
               ", cos ", cos.scalar_type(), ", sin ", sin.scalar_type());
+  TORCH_CHECK(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0,
+              "pdserve::rotary_: rotary_dim must be even and at most the head dim ", head_dim,
+              " (0: the whole head), got ", rotary_dim);
   at::Tensor rows = qkv.view({-1, qkv.size(-1)});  // fails (rather than copies) where the rows are not one stride
   const int64_t n = rows.size(0);
   at::Tensor c = cos.reshape({-1, cos.size(-1)}), s = sin.reshape({-1, sin.size(-1)});
-  TORCH_CHECK(c.size(0) == n && (c.size(1) == head_dim || c.size(1) == head_dim / 2) && s.sizes() == c.sizes(),
-              "pdserve::rotary_: cos and sin [..., T, D] (or [..., T, D / 2]) for T = ", n, " and D = ", head_dim,
-              ", got ", cos.sizes());
-  // the angles of the second half: the second half of cos and sin, or (D / 2 of them: GPT-OSS's) the same
-  const int64_t second = c.size(1) == head_dim ? head_dim / 2 : 0;
+  if (rotary_dim > 0) {
+    TORCH_CHECK(c.size(0) == n && c.size(1) == rotary_dim && s.sizes() == c.sizes(),
+                "pdserve::rotary_: cos and sin [..., T, rotary_dim] for T = ", n, " and rotary_dim = ", rotary_dim,
+                ", got ", cos.sizes());
+  } else {
+    TORCH_CHECK(c.size(0) == n && (c.size(1) == head_dim || c.size(1) == head_dim / 2) && s.sizes() == c.sizes(),
+                "pdserve::rotary_: cos and sin [..., T, D] (or [..., T, D / 2]) for T = ", n, " and D = ", head_dim,
+                ", got ", cos.sizes());
+  }
+  // the features rotated, and the angles of their second half: the second half of cos and sin, or (D / 2 of them
+  // over a whole head: GPT-OSS's) the same
+  const int64_t rot = rotary_dim > 0 ? rotary_dim : head_dim;
+  const int64_t second = rotary_dim > 0 ? rotary_dim / 2 : (c.size(1) == head_dim ? head_dim / 2 : 0);
   if (c.stride(1) != 1 || s.stride(1) != 1 || c.stride(0) != s.stride(0)) {
     c = c.contiguous();
     s = s.contiguous();
@@ -127,13 +140,13 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
   const int64_t heads = num_q_heads + num_kv_heads;
   if (qkv.scalar_type() == at::kFloat) {
     rotary_rows(rows.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), n, rows.stride(0), c.stride(0),
-                heads, head_dim, second);
+                heads, head_dim, rot, second);
   } else if (float_angles) {
     rotary_rows(rows.data_ptr<c10::BFloat16>(), c.data_ptr<float>(), s.data_ptr<float>(), n, rows.stride(0),
-                c.stride(0), heads, head_dim, second);
+                c.stride(0), heads, head_dim, rot, second);
   } else if (qkv.scalar_type() == at::kBFloat16) {
     rotary_rows(rows.data_ptr<c10::BFloat16>(), c.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(), n,
-                rows.stride(0), c.stride(0), heads, head_dim, second);
+                rows.stride(0), c.stride(0), heads, head_dim, rot, second);
   } else {
     TORCH_CHECK(false, "pdserve::rotary_ supports float32 and bfloat16, got ", qkv.scalar_type());
   }
@@ -142,6 +155,8 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
-  m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads, int head_dim) -> ()");
+  m.def(
+      "rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads, int head_dim, "
+      "int rotary_dim=0) -> ()");
   m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));
 }

@@ -1,6 +1,6 @@
 """Small random MoE checkpoints of transformers' own classes for the engine's tests (the tiny Llama's tokenizer beside
 them): Qwen3-MoE with a dense layer between two MoE layers, Mixtral, Qwen2-MoE with its shared expert, OLMoE,
-GPT-OSS."""
+GPT-OSS, GLM-4-MoE."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ MOE_FAMILIES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=24,
                      layer_types=["sliding_attention", "full_attention", "sliding_attention"])),  # fmt: skip
+    # GLM-4.5's layout: a dense first layer, routed experts beside a shared one, sigmoid routing with a correction
+    # bias, half of each head rotated
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      intermediate_size=256, first_k_dense_replace=1, n_group=1, topk_group=1)),  # fmt: skip
 }
 
 

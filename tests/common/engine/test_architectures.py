@@ -178,6 +178,7 @@ FUSED = {
     "olmo3": {ROPE, MLP, SCALED},
     "olmoe": {ROPE, NORM, EXPERTS, ROUTER},  # q/k norms over all the heads at once
     "phimoe": {ROPE, EXPERTS},  # LayerNorm; a router of its own (sparsemixer)
+    "glm4_moe": {ROPE, MLP, NORM, EXPERTS, ROUTER},  # half of each head rotated; sigmoid routing; shared experts
     "gpt_oss": {ROPE, EXPERTS, ROUTER, SCALED},  # experts: a clamped gate, biases; norms x / rms(x) * w, one rounding
 }
 

@@ -429,6 +429,34 @@ def test_rotary_of_each_angle_once_matches_gpt_oss_bit_for_bit(dtype, tokens, he
     torch.testing.assert_close(got_v, v, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,dim,rotary_dim", [(1, (8, 4), 64, 32), (16, (16, 8), 128, 64),
+                                                         (300, (4, 2), 128, 32), (3, (2, 2), 40, 20)])  # fmt: skip
+def test_rotary_of_part_of_each_head_matches_glm4_moe_bit_for_bit(dtype, tokens, heads, dim, rotary_dim):
+    """rotary_dim: only each head's first rotary_dim features rotated, half-split within them (GLM-4-MoE's partial
+    rotary: half the head), the rest untouched, as GLM-4-MoE's apply_rotary_pos_emb does, bit for bit; cos and sin
+    of another width are refused."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
+
+    num_q, num_kv = heads
+    qkv, half, parts = rotary_case(tokens, heads, dim, dtype)
+    angles = torch.cat((half[..., : rotary_dim // 2], half[..., : rotary_dim // 2]), -1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q, k, v = parts(qkv)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got = qkv.clone()
+    torch.ops.pdserve.rotary_(got, cos, sin, num_q, num_kv, dim, rotary_dim)
+    got_q, got_k, got_v = parts(got)
+    torch.testing.assert_close(got_q, want_q, rtol=0, atol=0)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
+    torch.testing.assert_close(got_v, v, rtol=0, atol=0)
+    assert torch.equal(got_q[..., rotary_dim:], q[..., rotary_dim:]) and not torch.equal(got_q, q)
+    with pytest.raises(RuntimeError, match="rotary_dim must be even and at most the head dim"):
+        torch.ops.pdserve.rotary_(qkv.clone(), cos, sin, num_q, num_kv, dim, rotary_dim + 1)
+    with pytest.raises(RuntimeError, match=r"cos and sin \[\.\.\., T, rotary_dim\]"):
+        torch.ops.pdserve.rotary_(qkv.clone(), cos[..., :-2], sin[..., :-2], num_q, num_kv, dim, rotary_dim)
+
+
 @pytest.mark.parametrize("tokens,heads,dim", [(1, (8, 4), 64), (300, (4, 2), 128), (3, (2, 2), 40)])
 def test_rotary_of_float_angles_matches_olmo2_bit_for_bit(tokens, heads, dim):
     """bf16 heads and float cos and sin (OLMo 2's and 3's rotary embedding): rotated in float and rounded once, as

@@ -91,10 +91,10 @@ def test_taken_where_the_layout_fits(model_dir, tiny_model_dir):
                                             ("mistral", {"sliding_window": 24}), ("qwen3_moe", {}), ("mixtral", {}),
                                             ("qwen2_moe", {}), ("gemma", {}), ("gemma2", {}), ("gemma3", {}),
                                             ("gpt_oss", {}), ("olmo2", {}), ("olmo3", {}), ("olmoe", {}),
-                                            ("phi3", {}), ("granite", {})],
+                                            ("phi3", {}), ("granite", {}), ("glm4_moe", {})],
                          ids=["llama", "qwen2", "qwen2-window", "qwen3", "qwen3-window", "mistral-window", "qwen3_moe",
                               "mixtral", "qwen2_moe", "gemma", "gemma2", "gemma3", "gpt_oss", "olmo2", "olmo3",
-                              "olmoe", "phi3", "granite"])  # fmt: skip
+                              "olmoe", "phi3", "granite", "glm4_moe"])  # fmt: skip
 def test_logits_equal_the_models_own_on_every_step(arch, overrides, model_dir, hf_reference):
     """Prompts arriving while others decode (steps of decode + prefill), every step's logits both ways (the
     runner's one check made to run on every step). MoE models: packed experts in the layers' sparse blocks. Gemma

@@ -191,6 +191,33 @@ def test_a_packed_gpt_oss_router_picks_what_the_model_picks(dtype):
         torch.testing.assert_close(g_.float(), w.float(), rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups,best", [(1, 1), (3, 2)], ids=["one-group", "groups"])
+def test_a_packed_glm4_moe_router_picks_what_the_model_picks(dtype, groups, best):
+    """GLM-4-MoE's router (DeepSeek-V3's routing): float logits, sigmoid scores, the top k by score plus a correction
+    bias within the best groups, their scores normalized and scaled: the same experts and weights, the logits within
+    float rounding; with one group (GLM-4.5's) no group mask is built. The bias changes the choice."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    config = transformers.Glm4MoeConfig(hidden_size=HIDDEN, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                        n_group=groups, topk_group=best, routed_scaling_factor=2.5)  # fmt: skip
+    router = Glm4MoeTopkRouter(config)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g) * 0.1)
+        router.e_score_correction_bias.copy_(torch.randn(EXPERTS, generator=g))
+    assert _router_kind(router) == "Glm4MoeTopkRouter"
+    packed = PackedRouter(router, "Glm4MoeTopkRouter")
+    x = torch.randn(13, HIDDEN, generator=g).to(dtype)
+    with torch.inference_mode():
+        got, want = packed(x), router(x)
+        plain = torch.topk(torch.nn.functional.linear(x.float(), router.weight).sigmoid(), TOP_K).indices
+    assert torch.equal(got[2], want[2]) and not torch.equal(got[2].sort().values, plain.sort().values)
+    for g_, w in zip(got[:2], want[:2]):
+        assert g_.dtype == w.dtype == torch.float32 and g_.shape == w.shape
+        torch.testing.assert_close(g_, w, rtol=1e-5, atol=1e-6)
+
+
 def test_a_router_of_its_own_keeps_the_model_module():
     class Jittered(Qwen3MoeTopKRouter):
         def forward(self, hidden_states):
