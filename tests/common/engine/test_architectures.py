@@ -189,7 +189,9 @@ def test_each_family_runs_the_fused_modules_it_fits(name, checkpoint):
         pytest.skip("CPU kernels unavailable")
     engine = LLMEngine(load_model(checkpoint(name, SERVED)), EngineConfig(num_kv_blocks=32))
     kinds = {type(m).__name__ for m in engine.loaded.model.modules()}
-    assert kinds & {ROPE, MLP, NORM, SCALED, EXPERTS, ROUTER} == FUSED[name]
+    # a build without the fp32 linear kernel (plain x86-64, aarch64) packs no fp32 experts
+    want = FUSED[name] if torch.ops.pdserve.fp32_linear_supported() else FUSED[name] - {EXPERTS}
+    assert kinds & {ROPE, MLP, NORM, SCALED, EXPERTS, ROUTER} == want
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
