@@ -154,7 +154,10 @@ def test_torch_varlen_by_the_signature_it_has(version, monkeypatch):
 
 
 def use_kernel(monkeypatch, kernel: VarlenKernel) -> None:
-    monkeypatch.setattr(attention, "varlen_kernel", lambda query, cpu_kernel=False: None if kernel.failed else kernel)
+    def pick(query, cpu_kernel=False, extras=None):  # as varlen_kernel picks: none once failed, or for extras it lacks
+        return None if kernel.failed or (extras is not None and not kernel.takes_extras) else kernel
+
+    monkeypatch.setattr(attention, "varlen_kernel", pick)
 
 
 @pytest.mark.parametrize("arch,overrides,lens,window", [
