@@ -204,14 +204,6 @@ inline __m512 tanh16(__m512 y) {
   return _mm512_or_ps(t, _mm512_and_ps(y, sign));
 }
 
-// Raw scores to the softmax's log2 units: s * scale * log2(e), or with a soft cap cap * tanh(s * scale / cap) * log2(e)
-template <typename T>
-inline __m512 logits16(const Layout<T>& L, __m512 s) {
-  if (L.cap_log2 > 0.f)
-    return _mm512_mul_ps(_mm512_set1_ps(L.cap_log2), tanh16(_mm512_mul_ps(s, _mm512_set1_ps(L.scale_over_cap))));
-  return _mm512_mul_ps(s, _mm512_set1_ps(L.scale_log2));
-}
-
 // Scores of R rows (q rows given) against the 64 keys of one packed block: s[r][c] covers keys 16c..16c+15.
 template <typename T, int R>
 inline void score_block(__m512 (&s)[RS][4], const T* const* qrows, const uint32_t* kb, int64_t units) {
@@ -275,6 +267,8 @@ void rows_over_block(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, in
   for (int r = 0; r < R; ++r) qrows[r] = L.q + (t0 + r0 + r) * L.q_s0 + h * L.q_s1;
   __m512 s[RS][4];
   score_block<T, R>(s, qrows, kp + kb * units * BK, units);
+  const bool capped = L.cap_log2 > 0.f;
+  const __m512 scale = _mm512_set1_ps(capped ? L.scale_over_cap : L.scale_log2), cap = _mm512_set1_ps(L.cap_log2);
   alignas(64) uint32_t prob[RS * BK];
   alignas(64) float diff[16] = {}, alpha[16];
   float m_new[RS];
@@ -291,7 +285,10 @@ void rows_over_block(const Layout<T>& L, int64_t t0, int64_t pos0, int64_t h, in
           valid[r][c] &= _mm512_cmpgt_epi32_mask(j, _mm512_set1_epi32(static_cast<int>(i - L.window)));
       }
     }
-    for (int c = 0; c < 4; ++c) s[r][c] = _mm512_mask_mov_ps(_mm512_set1_ps(NEG), valid[r][c], logits16(L, s[r][c]));
+    for (int c = 0; c < 4; ++c)  // to log2 units: s * scale * log2(e), or cap * tanh(s * scale / cap) * log2(e)
+      s[r][c] = capped ? _mm512_mask_mov_ps(_mm512_set1_ps(NEG), valid[r][c],
+                                            _mm512_mul_ps(cap, tanh16(_mm512_mul_ps(s[r][c], scale))))
+                       : _mm512_mask_mul_ps(_mm512_set1_ps(NEG), valid[r][c], s[r][c], scale);
     const __m512 top = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]), _mm512_max_ps(s[r][2], s[r][3]));
     m_new[r] = std::max(m[r], _mm512_reduce_max_ps(top));
     diff[r] = m[r] - m_new[r];
