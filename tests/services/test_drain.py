@@ -75,15 +75,18 @@ def test_sigterm_drains_a_decode_worker_without_losing_its_stream(cluster, model
 @pytest.fixture(scope="module")
 def slow_prefill_cluster(model_dir, tmp_path_factory):
     with pdserve_up("--model", model_dir, "--prefill", "2", "--log-dir", str(tmp_path_factory.mktemp("drain-p-logs")),
-                    "--worker-arg=--kv-cache-memory=6e7", "--prefill-arg=--prefill-chunk-size=16",
-                    "--prefill-arg=--max-num-batched-tokens=16") as info:
+                    "--worker-arg=--kv-cache-memory=6e7", "--prefill-arg=--prefill-chunk-size=2",
+                    "--prefill-arg=--max-num-batched-tokens=2") as info:
         info["workers"] = workers(info["redis"])
         yield info
 
 
 def test_sigterm_drains_a_prefill_worker_finishing_its_prefills(slow_prefill_cluster, model_dir, hf_reference):
     c = slow_prefill_cluster
-    prompt = [(7 * i) % 4000 + 4 for i in range(1200)]  # ~75 engine steps of 16 tokens on the prefill worker
+    # ~950 engine steps of 2 tokens on the prefill worker (about two seconds of work left when the SIGTERM lands). With
+    # 75 steps of 16 the prefill ended ~0.2 s after the kill, and a CI run once found the worker gone, drained,
+    # before it saw /readyz say 503.
+    prompt = [(7 * i) % 4000 + 4 for i in range(1900)]
     outcome: dict = {}
     retries_before = metric(c["http"], "pdserve:handoff_retries_total")
     with Client(c["router"], timeout_s=120) as client:
@@ -95,7 +98,8 @@ def test_sigterm_drains_a_prefill_worker_finishing_its_prefills(slow_prefill_clu
                                      None), 30, "a prefill running", interval_s=0.01)
         os.kill(busy.pid, signal.SIGTERM)
         t0 = time.monotonic()
-        while readyz(busy.metrics_address) != 503:
+        while (code := readyz(busy.metrics_address)) != 503:
+            assert code != -1, "the worker was gone before its readiness was seen false"
             assert time.monotonic() - t0 < 2.0, "readiness did not turn false"
             time.sleep(0.02)
         thread.join(120)
