@@ -217,7 +217,7 @@ def extras_of(kind, heads, seed):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_with_a_soft_cap_or_sinks_is_within_rounding_of_float64(lens, heads, kv_heads, dim, window, kind,
                                                                        dtype):  # fmt: skip
-    """Gemma 2's soft cap and GPT-OSS's sink logits (on CPUs with AMX: the vdpbf16ps kernel takes such layers). The
+    """Gemma 2's soft cap and GPT-OSS's sink logits (bf16 on CPUs with AMX: the tile path for these head dims). The
     result without them is far outside the tolerance: the kernel applies them."""
     needs(dtype)
     q, k, v, bounds = packed_case(lens, heads, kv_heads, dim, seed=len(lens) + dim, spread=3.0, dtype=dtype)
@@ -330,7 +330,7 @@ def test_prefill_attention_chooses(tiny_model_dir, counted_kernel):
     assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 160) is not amx
     assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 128)
     assert attention.cpu_prefill_kernel_chosen("kernel", torch.bfloat16, 160)
-    # a soft cap or sinks: SDPA computes neither, so auto takes the kernel on AMX CPUs too (its vdpbf16ps path)
+    # a soft cap or sinks: SDPA computes neither, so auto takes the kernel on AMX CPUs too, for any head dim
     assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 160, extras=True)
     assert not attention.cpu_prefill_kernel_chosen("sdpa", torch.bfloat16, 64, extras=True)
     head_dim = LLMEngine(load_model(d, dtype="float32")).kv_spec.head_dim
