@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -41,7 +42,8 @@ constexpr float kLog2e = 1.4426950216293335f, kLog2eLow = 1.925963033500011e-08f
 constexpr float kExp2Poly[6] = {0.9999999403953552f,  0.6931530833244324f,   0.24015361070632935f,
                                 0.05582631379365921f, 0.008989345282316208f, 0.0018775742501020432f};
 
-inline float silu(float x) {
+// exp(-x), as silu and sigmoid take it
+inline float exp_neg(float x) {
   float nx = -x;  // clamped, NaN to 0 (x / d is NaN then anyway): no branch, so the loop vectorizes
   nx = nx < -150.f ? -150.f : nx;
   nx = nx > 150.f ? 150.f : nx;
@@ -58,12 +60,19 @@ inline float silu(float x) {
   float fa, fb;
   std::memcpy(&fa, &a, sizeof fa);
   std::memcpy(&fb, &b, sizeof fb);
-  return x / (1.f + p * fa * fb);
+  return p * fa * fb;
 }
 
+inline float silu(float x) { return x / (1.f + exp_neg(x)); }
+
+// sigmoid(x) = 1 / (1 + exp(-x)), PyTorch's formula, by silu's exp: every one of the 65,536 bf16 inputs gives
+// PyTorch's bf16 sigmoid bit for bit (tests/common/engine/test_activation.py); NaN stays NaN.
+inline float sigmoid(float x) { return x == x ? 1.f / (1.f + exp_neg(x)) : x; }
+
 #if defined(__AVX512F__)
-// silu over 16 lanes, as silu() computes it: vreduceps gives th - floor(th) exactly, scalef takes floor(th) itself.
-inline __m512 silu16(__m512 x) {
+// exp(-x) over 16 lanes, as exp_neg() computes it: vreduceps gives th - floor(th) exactly, scalef takes floor(th)
+// itself.
+inline __m512 exp_neg16(__m512 x) {
   const __m512 nx = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(-150.f)),
                                   _mm512_set1_ps(150.f));  // max(NaN, -150): -150, and x/1 stays NaN
   const __m512 log2e = _mm512_set1_ps(kLog2e);
@@ -72,7 +81,14 @@ inline __m512 silu16(__m512 x) {
   const __m512 r = _mm512_add_ps(_mm512_reduce_ps(th, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), tlo);
   __m512 p = _mm512_set1_ps(kExp2Poly[5]);
   for (int i = 4; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExp2Poly[i]));
-  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_scalef_ps(p, th)));
+  return _mm512_scalef_ps(p, th);
+}
+
+inline __m512 silu16(__m512 x) { return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp_neg16(x))); }
+
+inline __m512 sigmoid16(__m512 x) {  // NaN lanes keep x
+  const __m512 s = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp_neg16(x)));
+  return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), s);
 }
 #endif
 
@@ -178,9 +194,70 @@ at::Tensor silu_mul_parts(const at::Tensor& gate, const at::Tensor& up) {
   return out.view(gate.sizes());
 }
 
+// GPT-OSS's gate (GptOssExperts._apply_gate) over rows of [gate | up] (moe.py takes the model's interleaved
+// columns apart): gate clamped above at limit, up to [-limit, limit], then (up + 1) * (gate * sigmoid(gate *
+// alpha)), each operation rounded to T as PyTorch rounds it. Clamps propagate NaN as torch.clamp does. It ran as
+// a scalar loop over std::exp in moe.cpp: 262 of 432 ms of a 2,048-token bf16 prefill of the families' GPT-OSS
+// (32 experts of 352, top 4) on a 2-core Xeon.
+template <typename T>
+inline float gpt_oss_one(T g, T u, float alpha, float limit) {
+  const float gate = std::min(to_float(g), limit);  // min(NaN, limit) is NaN
+  const float x = to_float(u);
+  const float up = x != x ? x : std::min(std::max(x, -limit), limit);
+  const float sig = to_float(round_to<T>(sigmoid(to_float(round_to<T>(gate * alpha)))));
+  return to_float(round_to<T>(up + 1.f)) * to_float(round_to<T>(gate * sig));
+}
+
+template <typename T>
+void gpt_oss_rows(const T* gate_up, T* out, int64_t rows, int64_t n, float alpha, float limit) {
+  const int64_t chunk =
+      std::max<int64_t>(1, std::min<int64_t>((rows + 1) / 2, (int64_t{1} << 15) / std::max<int64_t>(1, n)));
+  pdserve::parallel_claim(rows, chunk, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gate_up + r * 2 * n;
+      const T* u = g + n;
+      T* o = out + r * n;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      using pdserve::round16;
+      const __m512 lim = _mm512_set1_ps(limit), neg_lim = _mm512_set1_ps(-limit), a = _mm512_set1_ps(alpha);
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= n; i += 16) {
+        const __m512 gate = _mm512_min_ps(lim, pdserve::load16(g + i));  // vminps gives its second operand on NaN
+        const __m512 up = _mm512_max_ps(neg_lim, _mm512_min_ps(lim, pdserve::load16(u + i)));
+        const __m512 sig = round16<T>(sigmoid16(round16<T>(_mm512_mul_ps(gate, a))));
+        pdserve::store16(o + i, _mm512_mul_ps(round16<T>(_mm512_add_ps(up, one)), round16<T>(_mm512_mul_ps(gate, sig))));
+      }
+#endif
+      for (; i < n; ++i) o[i] = round_to<T>(gpt_oss_one(g[i], u[i], alpha, limit));
+    }
+  });
+}
+
+// gate_up [..., 2I] (the gate columns, then the up columns) -> [..., I]
+at::Tensor gpt_oss_gate(const at::Tensor& gate_up, double alpha, double limit) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
+              "pdserve::gpt_oss_gate takes a CPU tensor [..., 2I], got ", gate_up.sizes(), " on ", gate_up.device());
+  const int64_t n = gate_up.size(-1) / 2;
+  const at::Tensor rows = gate_up.reshape({-1, 2 * n}).contiguous();
+  at::Tensor out = at::empty({rows.size(0), n}, gate_up.options());
+  const auto a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  if (gate_up.scalar_type() == at::kFloat)
+    gpt_oss_rows(rows.data_ptr<float>(), out.data_ptr<float>(), rows.size(0), n, a, l);
+  else if (gate_up.scalar_type() == at::kBFloat16)
+    gpt_oss_rows(rows.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows.size(0), n, a, l);
+  else
+    TORCH_CHECK(false, "pdserve::gpt_oss_gate supports float32 and bfloat16, got ", gate_up.scalar_type());
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = n;
+  return out.view(shape);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("gpt_oss_gate(Tensor gate_up, float alpha, float limit) -> Tensor");
+  m.impl("gpt_oss_gate", c10::DispatchKey::CPU, TORCH_FN(gpt_oss_gate));
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
   m.def("silu_mul_parts(Tensor gate, Tensor up) -> Tensor");

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 import torch
+import transformers
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 from common.engine import cpu_kernels
 from common.engine.kv_cache import KVCacheSpec, PagedKVCache
@@ -334,6 +336,52 @@ def test_silu_mul_bf16_every_gate_value(width):
             assert same.all(), f"{(~same).sum().item()} gates differ, e.g. {gates[~same][:4].tolist()}"
 
 
+def gpt_oss_gate_reference(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GptOssExperts._apply_gate over [gate | up] (the columns taken apart as moe.py takes them)."""
+    experts = GptOssExperts(transformers.GptOssConfig(hidden_size=8, intermediate_size=8, num_local_experts=1))
+    experts.alpha, experts.limit = alpha, limit
+    n = gate_up.shape[-1] // 2
+    interleaved = torch.stack([gate_up[..., :n], gate_up[..., n:]], -1).flatten(-2)
+    return experts._apply_gate(interleaved)
+
+
+@pytest.mark.parametrize("width", [65536, 7])
+def test_gpt_oss_gate_bf16_every_gate_value(width):
+    """GPT-OSS's clamped gate, (clamp(up) + 1) * (g * sigmoid(g * alpha)) with g = min(gate, limit), for every one of
+    the 65,536 bf16 gates (NaNs, infinities, subnormals among them) against ups past the clamp, near it and small:
+    PyTorch's bf16 result bit for bit, in the vector loop (rows of 65,536) and the element-wise one (rows of 7).
+    Without the clamp of the gate (a limit of 1e30) every bf16 sigmoid input is met: the kernel's sigmoid is
+    PyTorch's bf16 sigmoid bit for bit."""
+    gates = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gates = torch.cat([gates, gates[:(-gates.numel()) % width]]).view(-1, width)
+    g = torch.Generator().manual_seed(width)
+    for alpha, limit in ((1.702, 7.0), (1.0, 1e30)):
+        for up in ((torch.randn(gates.shape, generator=g) * 6).bfloat16(), torch.full_like(gates, -7.5),
+                   torch.full_like(gates, float("nan"))):  # fmt: skip
+            gate_up = torch.cat([gates, up], -1)
+            expected = gpt_oss_gate_reference(gate_up, alpha, limit)
+            got = torch.ops.pdserve.gpt_oss_gate(gate_up, alpha, limit)
+            assert got.shape == expected.shape and got.dtype == torch.bfloat16
+            same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+            assert same.all(), f"{(~same).sum().item()} gates differ, e.g. {gates[~same][:4].tolist()}"
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_gpt_oss_gate_fp32_matches_pytorch(rows):
+    """fp32: within the exp's ulps of PyTorch's, clamps and NaNs as PyTorch gives them; a [..., 2I] of more dims
+    keeps them, an odd width is refused."""
+    g = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 352, generator=g) * 6
+    gate_up[0, :6] = torch.tensor([float("nan"), float("inf"), float("-inf"), 100.0, -100.0, 0.0])
+    gate_up[0, 352 : 352 + 6] = torch.tensor([1.0, float("nan"), float("inf"), -1e30, 3.0, float("-inf")])
+    expected = gpt_oss_gate_reference(gate_up, 1.702, 7.0)
+    got = torch.ops.pdserve.gpt_oss_gate(gate_up, 1.702, 7.0)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert torch.ops.pdserve.gpt_oss_gate(gate_up.view(1, rows, -1), 1.702, 7.0).shape == (1, rows, 352)
+    with pytest.raises(RuntimeError, match=r"\[\.\.\., 2I\]"):
+        torch.ops.pdserve.gpt_oss_gate(gate_up[:, :-1], 1.702, 7.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 16, 300])
 def test_silu_mul_matches_pytorch(dtype, rows):
@@ -612,6 +660,7 @@ def test_bf16_amx_linear_matches_float_matmul(rows, out_features, in_features, b
     with pytest.raises(RuntimeError, match="a multiple of 32 needed"):
         w48 = torch.ops.pdserve.pack_bf16_pairs(torch.randn(16, 48).bfloat16())
         torch.ops.pdserve.bf16_linear_amx(torch.randn(1, 48).bfloat16(), w48, None, 16)
+
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 65, 127, 130, 520])
