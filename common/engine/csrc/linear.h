@@ -47,9 +47,11 @@ inline void store_block(const float* acc, int64_t rows, const float* bias, T* ou
 // w^T's columns (unpack(b0, b1, dst) writes blocks [b0, b1) as a row-major [K, (b1 - b0) * 16] matrix of x's
 // dtype), each slice through torch's GEMM straight into the output's columns (rows n apart: written in place),
 // the bias added before the GEMM's one rounding. Widening writes K x 16 elements a block against m x K x 16
-// multiply-adds.
+// multiply-adds. Only the first `m` rows where given (the caller computes the others).
 template <typename Unpack>
-inline void widened_gemm(LinearCall& call, int64_t blocks, const Unpack& unpack) {
+inline void widened_gemm(LinearCall& call, int64_t blocks, const Unpack& unpack, int64_t m = -1) {
+  const at::Tensor rows = m < 0 ? call.rows : call.rows.narrow(0, 0, m);
+  const at::Tensor out = m < 0 ? call.out : call.out.narrow(0, 0, m);
   const int64_t k = call.rows.size(1), n = call.out.size(1), per_block = k * 16;
   const int64_t slice = std::max<int64_t>(1, (int64_t{4} << 20) / (per_block * call.rows.element_size()));
   // kept between calls (a calling thread's ~4 MiB): a fresh one costs a page fault per 4 KiB every call
@@ -61,12 +63,12 @@ inline void widened_gemm(LinearCall& call, int64_t blocks, const Unpack& unpack)
     const int64_t b1 = std::min(blocks, b0 + slice), c0 = b0 * 16, c1 = std::min(n, b1 * 16);
     at::Tensor wslice = wide.narrow(0, 0, per_block * (b1 - b0)).view({k, (b1 - b0) * 16});
     unpack(b0, b1, wslice.data_ptr());
-    at::Tensor dest = call.out.narrow(1, c0, c1 - c0);
+    at::Tensor dest = out.narrow(1, c0, c1 - c0);
     const at::Tensor columns = wslice.narrow(1, 0, c1 - c0);
     if (call.bias.defined())
-      at::addmm_out(dest, call.bias.narrow(0, c0, c1 - c0).to(call.rows.scalar_type()), call.rows, columns);
+      at::addmm_out(dest, call.bias.narrow(0, c0, c1 - c0).to(call.rows.scalar_type()), rows, columns);
     else
-      at::mm_out(dest, call.rows, columns);
+      at::mm_out(dest, rows, columns);
   }
 }
 

@@ -639,13 +639,14 @@ def test_bf16_linear_many_rows_over_column_slices():
     torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=5e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 130, 520])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 130, 520, 576, 611])
 @pytest.mark.parametrize("out_features,in_features,bias", [(1000, 1024, True), (70, 64, False), (2048, 2816, True)])
 def test_bf16_amx_linear_matches_float_matmul(rows, out_features, in_features, bias):
     """The AMX kernel over the pair packing: one A tile (1-16 rows) or several (17, 33: a partial last one, 130),
     groups of three blocks and the one or two left (70 = 4.4 blocks: 5 used of the 6 packed), bias; from 512 rows
-    (520) the slices widened for torch's GEMM (bias added before its one rounding). Results within bf16's
-    rounding of the float product; input sizes not a multiple of 32 refused."""
+    the slices widened for torch's GEMM (bias added before its one rounding) over the rows down to a multiple of
+    64 (520: 512 and 8 on the tiles, 576: all, 611: 576 and 35). Results within bf16's rounding of the float
+    product; input sizes not a multiple of 32 refused."""
     if not torch.ops.pdserve.bf16_amx_supported():
         pytest.skip("this build or CPU has no AMX-BF16")
     g = torch.Generator().manual_seed(rows * out_features)
@@ -661,6 +662,22 @@ def test_bf16_amx_linear_matches_float_matmul(rows, out_features, in_features, b
         w48 = torch.ops.pdserve.pack_bf16_pairs(torch.randn(16, 48).bfloat16())
         torch.ops.pdserve.bf16_linear_amx(torch.randn(1, 48).bfloat16(), w48, None, 16)
 
+
+@pytest.mark.parametrize("rows", [520, 611, 1000])
+def test_bf16_amx_linear_gives_the_gemm_whole_multiples_of_64_rows(rows):
+    """oneDNN builds its GEMM anew for every row count it has not seen (milliseconds each), so from 512 rows it
+    takes the rows down to a multiple of 64 and the tiles the rest: each part bit for bit what the kernel gives
+    for those rows alone (the GEMM's rows a call of that multiple, the rest a tile call under 512 rows)."""
+    if not torch.ops.pdserve.bf16_amx_supported():
+        pytest.skip("this build or CPU has no AMX-BF16")
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(704, 512, generator=g).bfloat16(), torch.randn(704, generator=g)
+    x = torch.randn(rows, 512, generator=g).bfloat16()
+    packed = torch.ops.pdserve.pack_bf16_pairs(w)
+    got = torch.ops.pdserve.bf16_linear_amx(x, packed, b, 704)
+    bulk = rows // 64 * 64
+    assert torch.equal(got[:bulk], torch.ops.pdserve.bf16_linear_amx(x[:bulk], packed, b, 704))
+    assert torch.equal(got[bulk:], torch.ops.pdserve.bf16_linear_amx(x[bulk:], packed, b, 704))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 65, 127, 130, 520])
