@@ -351,7 +351,7 @@ def cpu_prefill_kernel_chosen(choice: str, dtype: torch.dtype, head_dim: int | N
     ``paged_prefill_attention``) for ``EngineConfig.prefill_attention`` ``choice``, on a CPU whose engine kernels
     loaded, in ``dtype``: ``kernel`` where the build has them (AVX2 and FMA, both dtypes in float; AVX-512, bf16
     there with AVX512-BF16), ``auto`` there too except bf16 on CPUs with AMX where the kernel has no AMX path for
-    ``head_dim`` (``prefill_attention_amx``: head dims 32, 64, 96, 128; torch's flash attention runs on AMX tiles
+    ``head_dim`` (``prefill_attention_amx``: head dims 32 to 256 by 32; torch's flash attention runs on AMX tiles
     there and beat the vdpbf16ps kernel) and the model asks for no logit ``extras`` (a soft cap, sinks: SDPA computes
     neither, the plain tensor ops that would read every prompt's whole score matrix several times), ``sdpa`` never.
     2,048 tokens of 16 heads of 64 over 8 KV heads in bf16: on a 2-core Zen 4 VM 29 ms a layer against SDPA's 71,

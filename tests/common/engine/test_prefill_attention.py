@@ -91,6 +91,8 @@ def run_kernel(q, k, v, bounds, scale, window):
     ([100, 3], 2, 1, 16, 7, 2.0),
     ([3, 0, 65], 2, 2, 32, 0, 1.0),
     ([64, 128, 63, 65], 8, 2, 64, 64, 4.0),
+    ([150, 40], 4, 2, 160, 0, 2.0),  # head dims past 128 (Gemma's 256): O^T's dims past 64 in L1 on AMX
+    ([90, 200], 4, 1, 256, 70, 2.0),
 ])  # fmt: skip
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_is_within_rounding_of_float64(lens, heads, kv_heads, dim, window, spread, dtype):
@@ -212,6 +214,8 @@ def extras_of(kind, heads, seed):
     ([300, 64], 6, 2, 96, 0),
     ([257, 3], 4, 2, 64, 50),
     ([64, 128, 0, 65], 8, 2, 128, 64),
+    ([130, 33], 4, 2, 256, 0),
+    ([70], 2, 1, 192, 40),
 ])  # fmt: skip
 @pytest.mark.parametrize("kind", ["softcap", "sinks", "both"])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -324,14 +328,16 @@ def test_prefill_attention_chooses(tiny_model_dir, counted_kernel):
     needs(torch.float32)
     d = tiny_model_dir("llama")
     amx = "amx_bf16" in cpu_kernels.cpu_flags()
-    # AMX CPUs: bf16 on tiles for head dims 32, 64, 96, 128 (auto takes the kernel there, SDPA for other head dims)
-    dims = (-32, 0, 16, 32, 48, 64, 96, 128, 160, 256)
-    assert [torch.ops.pdserve.prefill_attention_amx(d) for d in dims] == [d in (32, 64, 96, 128) and amx for d in dims]
-    assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 160) is not amx
-    assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 128)
-    assert attention.cpu_prefill_kernel_chosen("kernel", torch.bfloat16, 160)
+    # AMX CPUs: bf16 on tiles for head dims that are multiples of 32 up to 256 (auto takes the kernel there, SDPA
+    # for other head dims)
+    dims = (-32, 0, 16, 32, 48, 64, 96, 128, 160, 208, 256, 288)
+    assert [torch.ops.pdserve.prefill_attention_amx(d) for d in dims] == [
+        d > 0 and d % 32 == 0 and d <= 256 and amx for d in dims]
+    assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 208) is not amx
+    assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 256)
+    assert attention.cpu_prefill_kernel_chosen("kernel", torch.bfloat16, 208)
     # a soft cap or sinks: SDPA computes neither, so auto takes the kernel on AMX CPUs too, for any head dim
-    assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 160, extras=True)
+    assert attention.cpu_prefill_kernel_chosen("auto", torch.bfloat16, 208, extras=True)
     assert not attention.cpu_prefill_kernel_chosen("sdpa", torch.bfloat16, 64, extras=True)
     head_dim = LLMEngine(load_model(d, dtype="float32")).kv_spec.head_dim
     for choice, dtype, want in (("kernel", "bfloat16", True), ("auto", "bfloat16", not amx or head_dim % 32 == 0),
@@ -394,6 +400,7 @@ def paged_reference(q, cache, layer, table, spans, scale, window, dtype=torch.fl
     ([(64, 64), (100, 7), (3, 130)], 4, 2, 64, 0, 16),  # chunks after prefixes, one a block's edge off
     ([(500, 33), (0, 1), (17, 0)], 4, 4, 128, 0, 32),  # a long prefix, a lone token, an empty span
     ([(200, 80), (31, 50)], 6, 2, 96, 45, 16),  # sliding window across the prefix
+    ([(100, 60), (0, 35)], 4, 2, 256, 0, 16),  # Gemma's head dim
 ])  # fmt: skip
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_kernel_reads_the_cache_within_rounding(seqs, heads, kv_heads, dim, window, block_size, dtype):
