@@ -66,7 +66,7 @@ inline float exp_neg(float x) {
 inline float silu(float x) { return x / (1.f + exp_neg(x)); }
 
 // sigmoid(x) = 1 / (1 + exp(-x)), PyTorch's formula, by silu's exp: every one of the 65,536 bf16 inputs gives
-// PyTorch's bf16 sigmoid bit for bit (tests/common/engine/test_activation.py); NaN stays NaN.
+// PyTorch's bf16 sigmoid bit for bit (test_cpu_kernels.py); NaN stays NaN.
 inline float sigmoid(float x) { return x == x ? 1.f / (1.f + exp_neg(x)) : x; }
 
 #if defined(__AVX512F__)
@@ -212,6 +212,11 @@ template <typename T>
 void gpt_oss_rows(const T* gate_up, T* out, int64_t rows, int64_t n, float alpha, float limit) {
   const int64_t chunk =
       std::max<int64_t>(1, std::min<int64_t>((rows + 1) / 2, (int64_t{1} << 15) / std::max<int64_t>(1, n)));
+#if defined(__AVX512F__)
+  using pdserve::round16;
+  const __m512 lim = _mm512_set1_ps(limit), neg_lim = _mm512_set1_ps(-limit), a = _mm512_set1_ps(alpha);
+  const __m512 one = _mm512_set1_ps(1.f);
+#endif
   pdserve::parallel_claim(rows, chunk, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = gate_up + r * 2 * n;
@@ -219,9 +224,6 @@ void gpt_oss_rows(const T* gate_up, T* out, int64_t rows, int64_t n, float alpha
       T* o = out + r * n;
       int64_t i = 0;
 #if defined(__AVX512F__)
-      using pdserve::round16;
-      const __m512 lim = _mm512_set1_ps(limit), neg_lim = _mm512_set1_ps(-limit), a = _mm512_set1_ps(alpha);
-      const __m512 one = _mm512_set1_ps(1.f);
       for (; i + 16 <= n; i += 16) {
         const __m512 gate = _mm512_min_ps(lim, pdserve::load16(g + i));  // vminps gives its second operand on NaN
         const __m512 up = _mm512_max_ps(neg_lim, _mm512_min_ps(lim, pdserve::load16(u + i)));

@@ -1,6 +1,6 @@
 // Causal attention of a prefill step's sequences on the CPU: flash attention in bf16 (vdpbf16ps products, CPUs with
-// AVX512-BF16; AMX tiles on CPUs with AMX-BF16, head dims multiples of 32 up to 256: see "bf16 on CPUs with AMX" below) or fp32
-// (FMAs, CPUs with AVX-512), or both in float on CPUs with AVX2 and FMA alone (see "AVX2" below), for whole prompts
+// AVX512-BF16; AMX tiles on CPUs with AMX-BF16, head dims multiples of 32 up to 256: see "bf16 on CPUs with AMX"
+// below) or fp32 (FMAs, CPUs with AVX-512), or both in float on CPUs with AVX2 and FMA alone (see "AVX2" below), for whole prompts
 // over their own keys (prefill_attention) and for chunks continuing their sequences over keys read from the paged
 // cache (paged_prefill_attention).
 //
