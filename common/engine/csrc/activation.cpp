@@ -90,6 +90,31 @@ inline __m512 sigmoid16(__m512 x) {  // NaN lanes keep x
   const __m512 s = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp_neg16(x)));
   return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), s);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// exp(-x) over 8 lanes (CPUs with AVX2 alone), as exp_neg() computes it, step for step: the same result bit for bit
+// (the scalar loop does not vectorize: GCC turns its clamps into branches)
+inline __m256 exp_neg8(__m256 x) {
+  const __m256 nx = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), _mm256_set1_ps(-150.f)),
+                                  _mm256_set1_ps(150.f));  // max(NaN, -150): -150, and x/1 stays NaN
+  const __m256 log2e = _mm256_set1_ps(kLog2e);
+  const __m256 th = _mm256_mul_ps(nx, log2e);
+  const __m256 tlo = _mm256_fmadd_ps(nx, _mm256_set1_ps(kLog2eLow), _mm256_fmsub_ps(nx, log2e, th));
+  const __m256 n = _mm256_floor_ps(th);
+  const __m256 r = _mm256_add_ps(_mm256_sub_ps(th, n), tlo);
+  __m256 p = _mm256_set1_ps(kExp2Poly[5]);
+  for (int i = 4; i >= 0; --i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExp2Poly[i]));
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
+  const __m256i a = _mm256_slli_epi32(_mm256_add_epi32(half, bias), 23);
+  const __m256i b = _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23);
+  return _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(a)), _mm256_castsi256_ps(b));
+}
+
+inline __m256 silu8(__m256 x) { return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp_neg8(x))); }
+
+inline __m256 sigmoid8(__m256 x) {  // NaN lanes keep x
+  const __m256 s = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), exp_neg8(x)));
+  return _mm256_blendv_ps(s, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
 #endif
 
 // tanh(y): Cephes' tanhf, in plain arithmetic that vectorizes: an odd polynomial below |y| = 0.625, else
@@ -112,11 +137,53 @@ inline float gelu_tanh(float x) {
   return 0.5f * x * (1.f + tanh_approx(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// exp_nonpositive (exp.h) over 8 lanes, with FMAs where -ffp-contract=fast puts them in the scalar code
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 shift = _mm256_set1_ps(12582912.f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shift), shift);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// gelu_tanh over 8 lanes: tanh_approx's two branches both computed, the one for each lane's |y| kept
+inline __m256 gelu_tanh8(__m256 x) {
+  const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                 _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), x), x, x));
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256 a = _mm256_andnot_ps(sign, y), one = _mm256_set1_ps(1.f);
+  const __m256 e = exp_nonpositive8(_mm256_mul_ps(_mm256_set1_ps(-2.f), a));
+  const __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_add_ps(e, e), _mm256_add_ps(one, e)));
+  const __m256 s = _mm256_mul_ps(y, y);
+  __m256 small = _mm256_fmadd_ps(_mm256_set1_ps(-5.70498872745e-3f), s, _mm256_set1_ps(2.06390887954e-2f));
+  small = _mm256_fmsub_ps(small, s, _mm256_set1_ps(5.37397155531e-2f));
+  small = _mm256_fmadd_ps(small, s, _mm256_set1_ps(1.33314422036e-1f));
+  small = _mm256_fmsub_ps(small, s, _mm256_set1_ps(3.33332819422e-1f));
+  small = _mm256_fmadd_ps(_mm256_mul_ps(small, s), a, a);
+  const __m256 t = _mm256_blendv_ps(small, big, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_GT_OQ));
+  const __m256 tanh = _mm256_or_ps(t, _mm256_and_ps(y, sign));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, tanh));
+}
+#endif
+
 struct Silu {
   static float apply(float x) { return silu(x); }
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  static __m256 apply8(__m256 x) { return silu8(x); }
+#endif
 };
 struct GeluTanh {
   static float apply(float x) { return gelu_tanh(x); }
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  static __m256 apply8(__m256 x) { return gelu_tanh8(x); }
+#endif
 };
 
 // gate rows g_stride apart, up rows u_stride apart, out [rows, n]
@@ -137,6 +204,10 @@ void silu_mul_rows(const T* gate, const T* up, T* out, int64_t rows, int64_t n, 
         for (; i + 16 <= n; i += 16)
           pdserve::store16(o + i, _mm512_mul_ps(pdserve::round16<T>(silu16(pdserve::load16(g + i))),
                                                 pdserve::load16(u + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= n; i += 8)
+        pdserve::store8(o + i, _mm256_mul_ps(pdserve::round8<T>(Act::apply8(pdserve::load8(g + i))),
+                                             pdserve::load8(u + i)));
 #endif
 #pragma omp simd
       for (int64_t j = i; j < n; ++j)
@@ -216,6 +287,10 @@ void gpt_oss_rows(const T* gate_up, T* out, int64_t rows, int64_t n, float alpha
   using pdserve::round16;
   const __m512 lim = _mm512_set1_ps(limit), neg_lim = _mm512_set1_ps(-limit), a = _mm512_set1_ps(alpha);
   const __m512 one = _mm512_set1_ps(1.f);
+#elif defined(__AVX2__) && defined(__FMA__)
+  using pdserve::round8;
+  const __m256 lim = _mm256_set1_ps(limit), neg_lim = _mm256_set1_ps(-limit), a = _mm256_set1_ps(alpha);
+  const __m256 one = _mm256_set1_ps(1.f);
 #endif
   pdserve::parallel_claim(rows, chunk, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -229,6 +304,13 @@ void gpt_oss_rows(const T* gate_up, T* out, int64_t rows, int64_t n, float alpha
         const __m512 up = _mm512_max_ps(neg_lim, _mm512_min_ps(lim, pdserve::load16(u + i)));
         const __m512 sig = round16<T>(sigmoid16(round16<T>(_mm512_mul_ps(gate, a))));
         pdserve::store16(o + i, _mm512_mul_ps(round16<T>(_mm512_add_ps(up, one)), round16<T>(_mm512_mul_ps(gate, sig))));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= n; i += 8) {
+        const __m256 gate = _mm256_min_ps(lim, pdserve::load8(g + i));  // vminps gives its second operand on NaN
+        const __m256 up = _mm256_max_ps(neg_lim, _mm256_min_ps(lim, pdserve::load8(u + i)));
+        const __m256 sig = round8<T>(sigmoid8(round8<T>(_mm256_mul_ps(gate, a))));
+        pdserve::store8(o + i, _mm256_mul_ps(round8<T>(_mm256_add_ps(up, one)), round8<T>(_mm256_mul_ps(gate, sig))));
       }
 #endif
       for (; i < n; ++i) o[i] = round_to<T>(gpt_oss_one(g[i], u[i], alpha, limit));

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -98,5 +98,44 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 }
 
 #endif  // __AVX512F__
+
+#if defined(__AVX2__)
+
+// 8 elements as floats, for CPUs with AVX2 alone (Zen 2 and 3): load16, round16 and store16 above, 8 lanes wide
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {  // widened
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+inline __m256 round8(__m256 v);
+
+template <>
+inline __m256 round8<float>(__m256 v) {
+  return v;
+}
+
+template <>
+inline __m256 round8<c10::BFloat16>(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd);
+  const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store8(c10::BFloat16* p, __m256 v) {
+  // the high halves, packed within each 128-bit lane (no saturation: they are below 2^16), then lanes 0 and 2
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(round8<c10::BFloat16>(v)), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+#endif  // __AVX2__
 
 }  // namespace pdserve

@@ -86,6 +86,9 @@ void weigh_rows(const Out* out, const W* weights, const int64_t* pos, S* slots, 
 #if defined(__AVX512F__)
       for (; i + 16 <= hidden; i += 16)
         pdserve::store16(dst + i, _mm512_mul_ps(pdserve::load16(src + i), _mm512_set1_ps(w)));
+#elif defined(__AVX2__)
+      for (; i + 8 <= hidden; i += 8)
+        pdserve::store8(dst + i, _mm256_mul_ps(pdserve::load8(src + i), _mm256_set1_ps(w)));
 #endif
       for (; i < hidden; ++i) dst[i] = round_to<S>(to_float(src[i]) * w);
     }
@@ -110,6 +113,12 @@ void sum_slots(const S* slots, Out* out, int64_t tokens, int64_t k, int64_t hidd
         __m512 acc = pdserve::load16(src + i);
         for (int64_t j = 1; j < k; ++j) acc = _mm512_add_ps(acc, pdserve::load16(src + j * hidden + i));
         pdserve::store16(dst + i, acc);
+      }
+#elif defined(__AVX2__)
+      for (; i + 8 <= hidden; i += 8) {
+        __m256 acc = pdserve::load8(src + i);
+        for (int64_t j = 1; j < k; ++j) acc = _mm256_add_ps(acc, pdserve::load8(src + j * hidden + i));
+        pdserve::store8(dst + i, acc);
       }
 #endif
       for (; i < hidden; ++i) {
