@@ -138,20 +138,7 @@ inline float gelu_tanh(float x) {
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// exp_nonpositive (exp.h) over 8 lanes, with FMAs where -ffp-contract=fast puts them in the scalar code
-inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 shift = _mm256_set1_ps(12582912.f);
-  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shift), shift);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+using pdserve::exp_nonpositive8;
 
 // gelu_tanh over 8 lanes: tanh_approx's two branches both computed, the one for each lane's |y| kept
 inline __m256 gelu_tanh8(__m256 x) {

@@ -364,8 +364,18 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       for (int64_t j = 0; j < group; ++j) {
         float* __restrict__ sj = scores.data() + j * n;
         if (softcap > 0.f) {  // Gemma 2: cap * tanh(score / cap)
+          // the cap a local: read through the lambda's reference, GCC saw control flow and left the loop scalar
+          // (2.3 ns a score: a capped layer of 16 x 2,048 keys took 1.7x an uncapped one on a Zen 4)
+          const float cap = softcap;
+          int64_t t = 0;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+          const __m256 cap8 = _mm256_set1_ps(cap);
+          for (; t + 8 <= n; t += 8)
+            _mm256_storeu_ps(sj + t,
+                             _mm256_mul_ps(cap8, pdserve::tanh_of8(_mm256_div_ps(_mm256_loadu_ps(sj + t), cap8))));
+#endif
 #pragma omp simd
-          for (int64_t t = 0; t < n; ++t) sj[t] = softcap * tanh_of(sj[t] / softcap);
+          for (int64_t u = t; u < n; ++u) sj[u] = cap * tanh_of(sj[u] / cap);
         }
         float m = row_max(sj, n);
         float sum = 0.f;
