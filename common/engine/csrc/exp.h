@@ -34,7 +34,8 @@ inline float exp_nonpositive(float x) {
 }
 
 // tanh(x) as (1 - e) / (1 + e), e = exp(-2|x|), with the sign of x: GCC vectorizes it for AVX-512 (a soft cap over
-// every score; on AVX2 it makes the clamp a branch, and tanh_of8 below serves). Within a few ulp of tanh for |x| >= 0.5; an absolute error under 2e-7 below it.
+// every score; on AVX2 it makes the clamp a branch, and tanh_of8 below serves). Within a few ulp of tanh for
+// |x| >= 0.5; an absolute error under 2e-7 below it.
 inline float tanh_of(float x) {
   const float e = exp_nonpositive(-2.f * std::fabs(x));
   return std::copysign((1.f - e) / (1.f + e), x);
